@@ -1,0 +1,184 @@
+"""The Python API for embedding the coordinator:
+
+    from coordinator import Coordinator, GenerationOptions
+    with Coordinator(verifier="127.0.0.1:50052", drafter="127.0.0.1:50051") as c:
+        result = c.generate("Write a haiku about gRPC", GenerationOptions(max_new_tokens=64))
+        print(result.text, result.stats)
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from coordinator.loop import DraftLength, LoopConfig, LoopResult, speculative_decode
+from coordinator.remote import RemoteDraftSession, RemoteTargetSession, new_session_id
+from coordinator.text_stream import TextStream
+from coordinator.workers import RemoteWorker, WorkerError
+from specmesh.tokenizer import load_tokenizer
+from specmesh.sampling import SamplingParams
+from specmesh.validation import MAX_SEED
+
+
+class TokenizerMismatch(WorkerError):
+    """Drafter and verifier tokenize differently: speculation would silently corrupt the output."""
+
+
+class GenerationFailed(RuntimeError):
+    """A generation stopped because a worker failed; `partial` holds what was generated before."""
+
+    def __init__(self, message: str, partial: "GenerationResult") -> None:
+        super().__init__(message)
+        self.partial = partial
+
+
+@dataclass(frozen=True)
+class GenerationOptions:
+    max_new_tokens: int = 256
+    draft_tokens: int | None = None  # None: adaptive draft length; 0: target-only decoding
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None  # None: 0 when greedy, random when sampling (reported in the result)
+    stop: tuple[str, ...] = ()
+    chat: bool = True  # apply the model's chat template when it has one
+    rpc_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.draft_tokens is not None and not 0 <= self.draft_tokens <= 64:
+            raise ValueError(f"draft_tokens must be in 0..64, got {self.draft_tokens}")
+        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
+            raise ValueError(f"seed must be in 0..2**64-1, got {self.seed}")
+        if not (math.isfinite(self.rpc_timeout_s) and self.rpc_timeout_s > 0):
+            raise ValueError(f"rpc_timeout_s must be > 0, got {self.rpc_timeout_s}")
+        self.sampling  # validates temperature, top_p, top_k
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    finish_reason: str  # "eos", "length", "stop" or "error"
+    stats: dict = field(default_factory=dict)
+
+
+def summarize(loop: LoopResult, elapsed_s: float, seed: int) -> dict:
+    rounds = len(loop.rounds)
+    drafted = sum(r.drafted for r in loop.rounds)
+    accepted = sum(r.accepted for r in loop.rounds)
+    new_tokens = len(loop.tokens)
+    return {
+        "new_tokens": new_tokens,
+        "elapsed_s": round(elapsed_s, 4),
+        "tokens_per_s": round(new_tokens / elapsed_s, 3) if elapsed_s > 0 else 0.0,
+        "rounds": rounds,
+        "drafted_tokens": drafted,
+        "accepted_tokens": accepted,
+        # vLLM's definitions: accepted / drafted, and tokens committed per round (1 + accepted per round).
+        "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
+        "mean_accepted_length": round(new_tokens / rounds, 4) if rounds else 0.0,
+        "draft_s": round(sum(r.draft_s for r in loop.rounds), 4),
+        "verify_s": round(sum(r.verify_s for r in loop.rounds), 4),
+        "seed": seed,
+    }
+
+
+class Coordinator:
+    """Connects to one verifier and optionally one drafter, checks they are compatible, runs generations."""
+
+    def __init__(self, verifier: str, drafter: str | None = None, tokenizer=None,
+                 connect_timeout_s: float = 30.0) -> None:
+        self.verifier = RemoteWorker(verifier, "verifier")
+        self.drafter = RemoteWorker(drafter, "drafter") if drafter else None
+        try:
+            self.verifier.wait_serving(connect_timeout_s)
+            self.verifier_info = self.verifier.info()
+            self.drafter_info = None
+            if self.drafter is not None:
+                self.drafter.wait_serving(connect_timeout_s)
+                self.drafter_info = self.drafter.info()
+                check_compatible(self.drafter_info, self.verifier_info)
+            self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(self.verifier_info.model_name)
+        except BaseException:
+            self.close()
+            raise
+        self.eos_token_ids = frozenset(self.verifier_info.eos_token_ids)
+
+    def __enter__(self) -> "Coordinator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for worker in (self.verifier, self.drafter):
+            if worker is not None:
+                worker.close()
+
+    def encode_prompt(self, prompt: str, chat: bool) -> list[int]:
+        if chat and getattr(self.tokenizer, "chat_template", None):
+            text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                      add_generation_prompt=True)
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return self.tokenizer(prompt)["input_ids"]
+
+    def generate(self, prompt: str | list[int], options: GenerationOptions = GenerationOptions(),
+                 on_text: Callable[[str], None] | None = None) -> GenerationResult:
+        """Generate a completion; `on_text` receives text as it is accepted. A prompt may be given as token ids.
+
+        Raises GenerationFailed (with the partial result) when a worker fails."""
+        prompt_ids = list(prompt) if isinstance(prompt, list) else self.encode_prompt(prompt, options.chat)
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        seed = options.seed if options.seed is not None else (random.getrandbits(63) if options.temperature else 0)
+        use_drafter = self.drafter is not None and options.draft_tokens != 0
+        draft_length = DraftLength() if options.draft_tokens is None else DraftLength.fixed(options.draft_tokens)
+        config = LoopConfig(max_new_tokens=options.max_new_tokens, eos_token_ids=self.eos_token_ids,
+                            draft_length=draft_length)
+        session_id = new_session_id()
+        target = RemoteTargetSession(self.verifier.stub, session_id, prompt_ids, options.sampling, seed,
+                                     options.rpc_timeout_s)
+        drafter = (RemoteDraftSession(self.drafter.stub, session_id, prompt_ids, options.sampling, seed,
+                                      options.rpc_timeout_s) if use_drafter else None)
+        stream = TextStream(self.tokenizer, options.stop, on_text)
+        loop = LoopResult()
+        started = time.perf_counter()
+        try:
+            speculative_decode(drafter, target, config, on_tokens=stream.push, result=loop)
+        except grpc.RpcError as e:
+            stream.finish()
+            partial = GenerationResult(stream.text, loop.tokens, len(prompt_ids), "error",
+                                       summarize(loop, time.perf_counter() - started, seed))
+            raise GenerationFailed(f"generation failed: {e.code().name}: {e.details()}", partial) from e
+        finally:
+            self.verifier.end_session(session_id)
+            if drafter is not None:
+                self.drafter.end_session(session_id)
+        text = stream.finish()
+        return GenerationResult(text, loop.tokens, len(prompt_ids), loop.finish_reason,
+                                summarize(loop, time.perf_counter() - started, seed))
+
+
+def check_compatible(drafter_info, verifier_info) -> None:
+    if drafter_info.tokenizer_fingerprint != verifier_info.tokenizer_fingerprint:
+        raise TokenizerMismatch(
+            f"drafter model {drafter_info.model_name!r} and verifier model {verifier_info.model_name!r} use different "
+            f"tokenizers (fingerprints {drafter_info.tokenizer_fingerprint[:12]} vs "
+            f"{verifier_info.tokenizer_fingerprint[:12]}): their token ids do not mean the same text, so speculation "
+            "would corrupt the output. Pick a draft model from the target's family.")
+    if drafter_info.vocab_size > verifier_info.vocab_size:
+        raise TokenizerMismatch(
+            f"drafter model {drafter_info.model_name!r} has a larger vocabulary ({drafter_info.vocab_size}) than "
+            f"verifier model {verifier_info.model_name!r} ({verifier_info.vocab_size})")

@@ -1,0 +1,135 @@
+"""`coordinator generate ...` and `coordinator models list|pull`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from contextlib import ExitStack
+
+from coordinator.api import Coordinator, GenerationFailed, GenerationOptions, GenerationResult
+from coordinator.workers import LocalWorkerSpec, WorkerError, local_workers
+from specmesh import catalog
+from specmesh.defaults import DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL
+
+
+def add_generate_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompt", required=True, help="the prompt text")
+    p.add_argument("--drafter", default=None, help="drafter HOST:PORT (default: start one locally)")
+    p.add_argument("--verifier", default=None, help="verifier HOST:PORT (default: start one locally)")
+    p.add_argument("--draft-model", default=DEFAULT_DRAFT_MODEL,
+                   help=f"model for a locally started drafter (default: {DEFAULT_DRAFT_MODEL})")
+    p.add_argument("--target-model", default=DEFAULT_TARGET_MODEL,
+                   help=f"model for a locally started verifier (default: {DEFAULT_TARGET_MODEL})")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="tokens to generate at most (default: 256)")
+    p.add_argument("--draft-tokens", type=int, default=None,
+                   help="fixed draft length k; 0 = target-only decoding (default: adaptive)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default: 1.0 = off)")
+    p.add_argument("--top-k", type=int, default=0, help="top-k sampling (default: 0 = off)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random when sampling)")
+    p.add_argument("--stop", action="append", default=[], help="stop string; may be repeated")
+    p.add_argument("--dtype", default="auto", help="dtype of locally started workers (default: auto)")
+    p.add_argument("--device", default="auto", help="device of locally started workers (default: auto)")
+    p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    p.add_argument("--rpc-timeout", type=float, default=60.0, help="seconds per RPC (default: 60)")
+    p.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, stats) instead")
+
+
+def print_summary(result: GenerationResult) -> None:
+    s = result.stats
+    rate = "n/a" if s["acceptance_rate"] is None else f"{s['acceptance_rate']:.1%}"
+    print(f"\n[{result.finish_reason}] {s['new_tokens']} new tokens in {s['elapsed_s']:.2f} s "
+          f"({s['tokens_per_s']:.2f} tokens/s); acceptance rate {rate}; "
+          f"mean accepted length {s['mean_accepted_length']:.2f} tokens/round; {s['rounds']} rounds",
+          file=sys.stderr)
+
+
+def generate(args: argparse.Namespace) -> int:
+    try:
+        options = GenerationOptions(max_new_tokens=args.max_new_tokens, draft_tokens=args.draft_tokens,
+                                    temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                    seed=args.seed, stop=tuple(args.stop), chat=not args.no_chat,
+                                    rpc_timeout_s=args.rpc_timeout)
+    except ValueError as e:
+        print(f"coordinator: error: {e}", file=sys.stderr)
+        return 2
+    need_drafter = options.draft_tokens != 0
+    specs = []
+    if args.verifier is None:
+        specs.append(LocalWorkerSpec("verifier", args.target_model, args.device, args.dtype))
+    if need_drafter and args.drafter is None:
+        specs.append(LocalWorkerSpec("drafter", args.draft_model, args.device, args.dtype))
+    with ExitStack() as stack:
+        try:
+            addresses = stack.enter_context(local_workers(specs, progress=not args.json)) if specs else {}
+            coordinator = stack.enter_context(Coordinator(
+                verifier=args.verifier or addresses["verifier"],
+                drafter=(args.drafter or addresses.get("drafter")) if need_drafter else None))
+        except WorkerError as e:
+            print(f"coordinator: error: {e}", file=sys.stderr)
+            return 1
+
+        def emit(text: str) -> None:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+
+        try:
+            result = coordinator.generate(args.prompt, options, on_text=None if args.json else emit)
+            status = 0
+        except GenerationFailed as e:
+            result, status = e.partial, 1
+            print(f"\ncoordinator: error: {e}", file=sys.stderr)
+        except ValueError as e:
+            print(f"coordinator: error: {e}", file=sys.stderr)
+            return 2
+    if args.json:
+        print(json.dumps({"status": "ok" if status == 0 else "error", "text": result.text,
+                          "token_ids": result.token_ids, "prompt_tokens": result.prompt_tokens,
+                          "finish_reason": result.finish_reason, "stats": result.stats}))
+    else:
+        print_summary(result)
+    return status
+
+
+def models_list(args: argparse.Namespace) -> int:
+    for name, entry in catalog.CATALOG.items():
+        state = "fetched" if catalog.is_fetched(name) else "not fetched"
+        print(f"{name:32s} {entry.size / 1e6:8.1f} MB  {state:12s} {entry.description}")
+    return 0
+
+
+def models_pull(args: argparse.Namespace) -> int:
+    names = list(catalog.CATALOG) if args.name == "all" else [args.name]
+    for name in names:
+        if name not in catalog.CATALOG:
+            print(f"coordinator: error: unknown model {name!r}; known: {', '.join(catalog.CATALOG)}", file=sys.stderr)
+            return 2
+        try:
+            path = catalog.fetch(name, progress=True)
+        except Exception as e:  # a failed download or checksum: say which and why
+            print(f"coordinator: error: pulling {name} failed: {e}", file=sys.stderr)
+            return 1
+        print(f"{name}: {path}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="coordinator", description="specmesh coordinator: distributed "
+                                     "speculative decoding over gRPC drafter and verifier services")
+    commands = parser.add_subparsers(dest="command", required=True)
+    gen = commands.add_parser("generate", help="generate text with speculative decoding")
+    add_generate_arguments(gen)
+    gen.set_defaults(func=generate)
+    models = commands.add_parser("models", help="the built-in model catalog")
+    models_commands = models.add_subparsers(dest="models_command", required=True)
+    models_commands.add_parser("list", help="list catalog models").set_defaults(func=models_list)
+    pull = models_commands.add_parser("pull", help="download, assemble and verify a catalog model")
+    pull.add_argument("name", help="catalog model name, or 'all'")
+    pull.set_defaults(func=models_pull)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)

@@ -1,0 +1,133 @@
+"""The speculative decoding loop: flat, gRPC-free, unit-testable.
+
+Each round the drafter proposes k tokens, the target checks all of them in one forward pass and returns how many it
+accepts plus one token of its own (the correction at the first rejection, or a bonus token when all were accepted).
+With k = 0 a round is plain one-token target decoding: the fallback path and the baseline.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from specmesh.acceptance import Verdict
+from specmesh.sampling import SparseDist
+
+
+@dataclass(frozen=True)
+class Draft:
+    tokens: tuple[int, ...] = ()
+    dists: tuple[SparseDist, ...] = ()  # the distributions the tokens were drawn from; empty when greedy
+
+
+class DraftSource(Protocol):
+    """A drafter session: propose k tokens after the committed history; learn what got committed."""
+
+    def propose(self, k: int) -> Draft: ...
+
+    def update(self, committed: Sequence[int]) -> None: ...
+
+
+class TargetSession(Protocol):
+    """A verifier session: check a draft against the target model and commit the outcome."""
+
+    def verify(self, draft: Draft) -> Verdict: ...
+
+
+@dataclass(frozen=True)
+class DraftLength:
+    """How many tokens to draft per round. Adaptive by default, with HF's heuristic: +2 after a round where every
+    draft was accepted, -1 otherwise, within [minimum, maximum]."""
+
+    initial: int = 4
+    adaptive: bool = True
+    minimum: int = 1
+    maximum: int = 16
+
+    def __post_init__(self) -> None:
+        if self.initial < 0 or self.minimum < 1 or self.maximum < self.minimum:
+            raise ValueError(f"invalid draft length bounds: {self}")
+        if self.adaptive and not self.minimum <= self.initial <= self.maximum:
+            raise ValueError(f"initial draft length {self.initial} outside [{self.minimum}, {self.maximum}]")
+
+    @classmethod
+    def fixed(cls, k: int) -> "DraftLength":
+        return cls(initial=k, adaptive=False, minimum=1, maximum=max(k, 1))
+
+    def next(self, k: int, all_accepted: bool) -> int:
+        if not self.adaptive:
+            return k
+        return min(self.maximum, k + 2) if all_accepted else max(self.minimum, k - 1)
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    max_new_tokens: int
+    eos_token_ids: frozenset[int] = frozenset()
+    draft_length: DraftLength = DraftLength()
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass(frozen=True)
+class RoundRecord:
+    drafted: int
+    accepted: int
+    draft_s: float
+    verify_s: float
+
+
+@dataclass
+class LoopResult:
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str = ""  # "eos", "length" or "stop"
+    rounds: list[RoundRecord] = field(default_factory=list)
+
+
+def speculative_decode(drafter: DraftSource | None, target: TargetSession, config: LoopConfig,
+                       on_tokens: Callable[[list[int]], bool] | None = None,
+                       result: LoopResult | None = None) -> LoopResult:
+    """Generate up to config.max_new_tokens tokens. `on_tokens(new)` sees each round's committed tokens and returns
+    True to stop (stop strings live in text, which only the caller decodes). Pass `result` to keep what was generated
+    if a worker fails mid-way: it is filled in place."""
+    result = result if result is not None else LoopResult()
+    k = config.draft_length.initial if drafter is not None else 0
+    while True:
+        remaining = config.max_new_tokens - len(result.tokens)
+        # The target always adds one token of its own, so never draft past the token budget.
+        k_round = min(k, remaining - 1)
+
+        started = time.perf_counter()
+        draft = drafter.propose(k_round) if (drafter is not None and k_round > 0) else Draft()
+        drafted_at = time.perf_counter()
+        verdict = target.verify(draft)
+        verified_at = time.perf_counter()
+
+        # Longest agreeing prefix of the draft, plus the target's own token.
+        new_tokens = [*draft.tokens[:verdict.accepted], verdict.next_token]
+        result.rounds.append(RoundRecord(len(draft.tokens), verdict.accepted,
+                                         drafted_at - started, verified_at - drafted_at))
+        if drafter is not None:
+            drafter.update(new_tokens)
+
+        # Never emit past an end-of-sequence token (it is kept, like HF generate does).
+        finish = ""
+        for i, token in enumerate(new_tokens):
+            if token in config.eos_token_ids:
+                new_tokens, finish = new_tokens[:i + 1], "eos"
+                break
+        result.tokens.extend(new_tokens)
+        if on_tokens is not None and on_tokens(new_tokens):
+            finish = "stop"
+        if not finish and len(result.tokens) >= config.max_new_tokens:
+            finish = "length"
+        if finish:
+            result.finish_reason = finish
+            return result
+
+        if drafter is not None:
+            k = config.draft_length.next(k, verdict.accepted == k_round)

@@ -1,0 +1,159 @@
+"""Connections to drafter/verifier services, and local worker subprocesses for `coordinator generate` without
+addresses."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from coordinator.remote import CHANNEL_OPTIONS
+from specmesh.v1 import specmesh_pb2 as pb
+from specmesh.v1 import specmesh_pb2_grpc as pb_grpc
+
+
+class WorkerError(RuntimeError):
+    """A worker could not be started, reached or used."""
+
+
+class RemoteWorker:
+    """A channel to one drafter or verifier with its stub and health stub."""
+
+    def __init__(self, address: str, role: str) -> None:
+        self.address, self.role = address, role
+        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.stub = (pb_grpc.DrafterStub if role == "drafter" else pb_grpc.VerifierStub)(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+
+    def info(self, timeout_s: float = 10.0) -> pb.InfoResponse:
+        try:
+            return self.stub.Info(pb.InfoRequest(), timeout=timeout_s)
+        except grpc.RpcError as e:
+            raise WorkerError(f"{self.role} at {self.address}: Info failed: {e.code().name} {e.details()}") from e
+
+    def is_serving(self, timeout_s: float = 2.0) -> bool:
+        try:
+            reply = self.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
+        except grpc.RpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    def wait_serving(self, timeout_s: float, process: subprocess.Popen | None = None,
+                     on_wait=None) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self.is_serving():
+            if process is not None and process.poll() is not None:
+                raise WorkerError(f"{self.role} exited with status {process.returncode} before it was ready")
+            if time.monotonic() > deadline:
+                raise WorkerError(f"{self.role} at {self.address} not SERVING after {timeout_s:.0f} s")
+            if on_wait is not None:
+                on_wait()
+            time.sleep(0.25)
+
+    def end_session(self, session_id: str) -> None:
+        try:
+            self.stub.EndSession(pb.EndSessionRequest(session_id=session_id), timeout=2.0)
+        except grpc.RpcError:
+            pass  # best effort: idle sessions expire on the server anyway
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+@dataclass(frozen=True)
+class LocalWorkerSpec:
+    role: str
+    model: str
+    device: str = "auto"
+    dtype: str = "auto"
+    threads: int | None = None
+
+
+class LocalWorker:
+    """A `drafter serve` / `verifier serve` subprocess on a free loopback port."""
+
+    def __init__(self, spec: LocalWorkerSpec, log_dir: str) -> None:
+        self.spec = spec
+        self.log_path = os.path.join(log_dir, f"{spec.role}.log")
+        self._log = open(self.log_path, "wb")
+        command = [sys.executable, "-m", spec.role, "serve", "--model", spec.model, "--host", "127.0.0.1",
+                   "--port", "0", "--device", spec.device, "--dtype", spec.dtype, "--grace", "1"]
+        if spec.threads:
+            command += ["--threads", str(spec.threads)]
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=self._log, stdin=subprocess.DEVNULL)
+        self.address = self._read_address(timeout_s=60.0)
+
+    def _read_address(self, timeout_s: float) -> str:
+        found: list[str] = []
+
+        def read() -> None:
+            for raw in self.process.stdout:
+                line = raw.decode(errors="replace").strip()
+                if line.startswith("LISTENING ") and not found:
+                    found.append(line.split(" ", 1)[1])
+                    # keep draining stdout so the worker never blocks on a full pipe
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        deadline = time.monotonic() + timeout_s
+        while not found:
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise WorkerError(f"{self.spec.role} did not start; its log:\n{self.log_tail()}")
+            time.sleep(0.05)
+        return found[0]
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return "".join(f.readlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()
+
+
+@contextmanager
+def local_workers(specs: list[LocalWorkerSpec], progress: bool = True,
+                  load_timeout_s: float = 1800.0) -> Iterator[dict[str, str]]:
+    """Start one subprocess per spec, wait until every one reports SERVING, yield {role: address}; stop them after."""
+    with ExitStack() as stack:
+        log_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="specmesh-"))
+        workers = []
+        for spec in specs:
+            worker = LocalWorker(spec, log_dir)
+            stack.callback(worker.stop)
+            workers.append(worker)
+        started = time.monotonic()
+        for worker in workers:
+            client = RemoteWorker(worker.address, worker.spec.role)
+            stack.callback(client.close)
+
+            def show(worker=worker) -> None:
+                if progress:
+                    print(f"\rloading {worker.spec.role} {worker.spec.model} ... {time.monotonic() - started:.0f}s",
+                          end="", file=sys.stderr, flush=True)
+            try:
+                client.wait_serving(load_timeout_s, worker.process, on_wait=show)
+            except WorkerError as e:
+                raise WorkerError(f"{e}; its log:\n{worker.log_tail()}") from None
+            if progress:
+                print(f"\r{worker.spec.role} {worker.spec.model} ready on {worker.address} "
+                      f"({time.monotonic() - started:.0f}s)   ", file=sys.stderr, flush=True)
+        yield {w.spec.role: w.address for w in workers}

@@ -1,0 +1,1 @@
+"""The drafter service: a small model proposing k tokens per round over gRPC."""

@@ -1,0 +1,5 @@
+import sys
+
+from drafter.cli import main
+
+sys.exit(main())

@@ -1,0 +1,9 @@
+"""`drafter serve ...`"""
+
+from drafter.service import build_server
+from specmesh.defaults import DEFAULT_DRAFT_MODEL
+from specmesh.worker_cli import serve_main
+
+
+def main(argv: list[str] | None = None) -> int:
+    return serve_main("drafter", build_server, DEFAULT_DRAFT_MODEL, argv)

@@ -1,0 +1,61 @@
+"""A model's KV cache for one token sequence, reused across calls by longest common prefix, with explicit rollback."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from transformers import DynamicCache
+
+
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class CachedSequence:
+    """Runs a causal LM over a growing token sequence, keeping the KV cache of the tokens it has already seen.
+
+    `cached_tokens` are exactly the tokens whose keys/values are in the cache, in order. Any request is served by
+    rolling the cache back to the longest prefix it shares with the new sequence and running only the rest.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.cache = DynamicCache(config=model.config)
+        self.cached_tokens: list[int] = []
+
+    def rollback(self, length: int) -> None:
+        """Drop cached keys/values past `length` tokens (explicit KV rollback of rejected drafts)."""
+        excess = len(self.cached_tokens) - length
+        if excess > 0:
+            self.cache.crop(-excess)  # transformers 5: a negative count removes that many trailing tokens
+            del self.cached_tokens[length:]
+
+    @torch.inference_mode()
+    def logits_for(self, sequence: Sequence[int], last_n: int) -> torch.Tensor:
+        """Logits [last_n, V] predicting the token after each of the last `last_n` positions of `sequence`.
+
+        Afterwards the cache holds the whole `sequence`.
+        """
+        if not 1 <= last_n <= len(sequence):
+            raise ValueError(f"last_n={last_n} out of range for a sequence of {len(sequence)} tokens")
+        # Reuse what we can, but always feed at least the last `last_n` tokens: their logits are what we need.
+        reuse = min(common_prefix_length(self.cached_tokens, sequence), len(sequence) - last_n)
+        self.rollback(reuse)
+        fresh = torch.tensor([list(sequence[reuse:])], dtype=torch.long, device=self.model.device)
+        out = self.model(input_ids=fresh, cache=self.cache, use_cache=True, logits_to_keep=last_n)
+        self.cached_tokens.extend(sequence[reuse:])
+        return out.logits[0, -last_n:, :]
+
+    @property
+    def num_bytes(self) -> int:
+        total = 0
+        for layer in self.cache.layers:
+            for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+                if isinstance(t, torch.Tensor):
+                    total += t.numel() * t.element_size()
+        return total

@@ -1,0 +1,191 @@
+"""gRPC plumbing shared by the drafter and verifier services: server lifecycle, health, Info/EndSession, error mapping.
+
+A server binds its port first and reports NOT_SERVING on grpc.health.v1 while the model loads; it switches to SERVING
+only after the model has loaded and run a warm-up pass, so load balancers and the coordinator never route to a cold
+worker.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from specmesh.devices import dtype_name
+from specmesh.history import ResyncRequired
+from specmesh.models import LoadedModel, load_model
+from specmesh.sessions import SessionLimits
+from specmesh.v1 import specmesh_pb2 as pb
+from specmesh.validation import check_session_id
+
+log = logging.getLogger(__name__)
+
+RESYNC_PREFIX = "resync:"
+
+# Keepalive pings notice a silently dead peer; the client side (coordinator/channels.py) uses matching values and the
+# server permits pings that often so it never answers them with GOAWAY "too_many_pings".
+KEEPALIVE_TIME_MS = 20_000
+KEEPALIVE_TIMEOUT_MS = 10_000
+SERVER_OPTIONS = [
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.max_receive_message_length", 16 * 1024 * 1024),
+    ("grpc.max_send_message_length", 16 * 1024 * 1024),
+    ("grpc.so_reuseport", 0),  # an ephemeral port must never be shared with a stale server
+]
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    model: str
+    role: str  # "drafter" or "verifier"
+    host: str = "127.0.0.1"
+    port: int = 0
+    device: str = "auto"
+    dtype: str = "auto"
+    threads: int | None = None
+    limits: SessionLimits = field(default_factory=SessionLimits)
+    max_draft_tokens: int = 32
+    max_context_length: int | None = None  # None: the model's max_position_embeddings
+    max_workers: int = 8
+
+    def __post_init__(self) -> None:
+        if self.role not in ("drafter", "verifier"):
+            raise ValueError(f"role must be 'drafter' or 'verifier', got {self.role!r}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.max_draft_tokens < 1:
+            raise ValueError(f"max_draft_tokens must be >= 1, got {self.max_draft_tokens}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if self.max_context_length is not None and self.max_context_length < 2:
+            raise ValueError(f"max_context_length must be >= 2, got {self.max_context_length}")
+
+
+class NotReady(Exception):
+    """The model is still loading."""
+
+
+def rpc(handler: Callable) -> Callable:
+    """Map exceptions of a servicer method to gRPC status codes; the server keeps serving after any of them."""
+
+    @functools.wraps(handler)
+    def wrapper(self, request, context: grpc.ServicerContext):
+        try:
+            return handler(self, request, context)
+        except NotReady as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        except ResyncRequired as e:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{RESYNC_PREFIX} {e}")
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+    return wrapper
+
+
+class WorkerServicerBase:
+    """Info and EndSession, identical on both services; `engine` is set once the model is ready."""
+
+    def __init__(self, worker: "WorkerServer") -> None:
+        self.worker = worker
+
+    @property
+    def engine(self):
+        engine = self.worker.engine
+        if engine is None:
+            raise NotReady(f"{self.worker.config.role} is still loading its model")
+        return engine
+
+    @rpc
+    def Info(self, request, context) -> pb.InfoResponse:
+        loaded: LoadedModel = self.engine.loaded
+        return pb.InfoResponse(
+            model_name=loaded.name, vocab_size=loaded.vocab_size, tokenizer_fingerprint=loaded.fingerprint,
+            eos_token_ids=list(loaded.eos_token_ids), device=str(loaded.device), dtype=dtype_name(loaded.dtype),
+            max_draft_tokens=self.worker.config.max_draft_tokens, max_context_length=self.worker.max_context_length,
+            role=self.worker.config.role)
+
+    @rpc
+    def EndSession(self, request, context) -> pb.EndSessionResponse:
+        check_session_id(request.session_id)
+        return pb.EndSessionResponse(existed=self.engine.sessions.end(request.session_id))
+
+
+class WorkerServer:
+    """One gRPC server owning one model. `engine_factory(loaded, limits)` builds the role's engine."""
+
+    def __init__(self, config: WorkerConfig, engine_factory: Callable, servicer_factory: Callable,
+                 add_servicer: Callable, service_name: str, preloaded: LoadedModel | None = None) -> None:
+        self.config = config
+        self.engine = None
+        self.max_context_length = 0
+        self._engine_factory = engine_factory
+        self._preloaded = preloaded
+        self._service_name = service_name
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.max_workers,
+                                                              thread_name_prefix=config.role),
+                                   options=SERVER_OPTIONS)
+        self.health = health.HealthServicer(experimental_non_blocking=True)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        add_servicer(servicer_factory(self), self._server)
+        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.port = self._server.add_insecure_port(f"{config.host}:{config.port}")
+        if self.port == 0:
+            raise OSError(f"could not bind {config.host}:{config.port}")
+        self._stopped = threading.Event()
+
+    @property
+    def address(self) -> str:
+        host = self.config.host
+        return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
+
+    def _set_health(self, status) -> None:
+        for name in ("", self._service_name):
+            self.health.set(name, status)
+
+    def start(self) -> None:
+        self._server.start()
+
+    def load(self) -> None:
+        """Load the model, run a warm-up pass, then report SERVING."""
+        loaded = self._preloaded or load_model(self.config.model, device=self.config.device, dtype=self.config.dtype,
+                                               threads=self.config.threads)
+        model_limit = getattr(loaded.model.config, "max_position_embeddings", None) or 2**31 - 1
+        self.max_context_length = min(self.config.max_context_length or model_limit, model_limit)
+        engine = self._engine_factory(loaded, self)
+        engine.warm_up()
+        self.engine = engine
+        self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        log.info("%s ready: model=%s device=%s dtype=%s port=%d", self.config.role, loaded.name, loaded.device,
+                 dtype_name(loaded.dtype), self.port)
+
+    def stop(self, grace: float | None = 2.0) -> None:
+        """Report NOT_SERVING, refuse new calls, let in-flight calls finish within `grace` seconds."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        self.health.enter_graceful_shutdown()
+        self._server.stop(grace).wait()
+
+    def wait(self) -> None:
+        self._server.wait_for_termination()
+
+
+@contextmanager
+def serving(server: WorkerServer) -> Iterator[WorkerServer]:
+    server.start()
+    try:
+        server.load()
+        yield server
+    finally:
+        server.stop(grace=0.5)

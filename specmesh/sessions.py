@@ -1,0 +1,61 @@
+"""Per-session server state (committed history + KV cache), bounded by count (LRU) and idle time (TTL)."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import cachetools
+import torch
+
+from specmesh.history import ResyncRequired, TokenHistory
+from specmesh.kv_cache import CachedSequence
+
+
+@dataclass(frozen=True)
+class SessionLimits:
+    max_sessions: int = 64
+    idle_ttl_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.max_sessions < 1:
+            raise ValueError(f"max_sessions must be >= 1, got {self.max_sessions}")
+        if not self.idle_ttl_s > 0:
+            raise ValueError(f"idle_ttl_s must be > 0, got {self.idle_ttl_s}")
+
+
+@dataclass
+class Session:
+    history: TokenHistory
+    sequence: CachedSequence
+
+
+class SessionStore:
+    """Maps session ids to Sessions. cachetools.TTLCache evicts the least recently used entry when full and drops
+    entries idle longer than the TTL; an evicted session is simply rebuilt by the client's resync."""
+
+    def __init__(self, model: torch.nn.Module, limits: SessionLimits) -> None:
+        self._model = model
+        self._sessions: cachetools.TTLCache = cachetools.TTLCache(maxsize=limits.max_sessions, ttl=limits.idle_ttl_s)
+        self._lock = threading.Lock()
+
+    def synced(self, session_id: str, base_length: int, base_hash: int, new_tokens: list[int]) -> Session:
+        """The session whose history now equals the client's, creating it when the client sends a full history."""
+        with self._lock:
+            session = self._sessions.get(session_id)
+            if session is None:
+                if base_length != 0:
+                    raise ResyncRequired(f"unknown session {session_id!r}")
+                session = Session(TokenHistory(), CachedSequence(self._model))
+            self._sessions[session_id] = session  # (re)insert: refreshes both LRU order and TTL
+        session.history.apply_sync(base_length, base_hash, new_tokens)
+        return session
+
+    def end(self, session_id: str) -> bool:
+        with self._lock:
+            return self._sessions.pop(session_id, None) is not None
+
+    def __len__(self) -> int:
+        with self._lock:
+            self._sessions.expire()
+            return len(self._sessions)

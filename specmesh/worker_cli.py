@@ -1,0 +1,76 @@
+"""`drafter serve` / `verifier serve`: run one worker until SIGTERM or SIGINT.
+
+Prints one machine-readable line to stdout as soon as the port is bound (`LISTENING <host>:<port>`), so a parent
+process that asked for port 0 learns the real port, then loads the model while health reports NOT_SERVING.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Callable
+
+from specmesh.serving import WorkerConfig, WorkerServer
+from specmesh.sessions import SessionLimits
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser, default_model: str) -> None:
+    parser.add_argument("--model", default=default_model,
+                        help=f"catalog name, tiny-random-* preset, .gguf path, HF directory or hub id (default: {default_model})")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=50051, help="port to bind; 0 picks a free one (default: 50051)")
+    parser.add_argument("--device", default="auto", help="auto|cpu|cuda|cuda:N (default: auto)")
+    parser.add_argument("--dtype", default="auto", help="auto|float32|bfloat16|float16|float64 (default: auto = bf16 "
+                        "on CUDA and on CPUs with avx512_bf16/AMX, else float32)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--max-sessions", type=int, default=64, help="KV-cache sessions kept, LRU-evicted (default: 64)")
+    parser.add_argument("--session-ttl", type=float, default=600.0,
+                        help="seconds an idle session's KV cache is kept (default: 600)")
+    parser.add_argument("--max-draft-tokens", type=int, default=32, help="largest k accepted (default: 32)")
+    parser.add_argument("--max-context-length", type=int, default=None,
+                        help="longest token history accepted (default: the model's maximum)")
+    parser.add_argument("--grace", type=float, default=10.0,
+                        help="seconds in-flight calls may finish after SIGTERM (default: 10)")
+
+
+def serve_main(role: str, build_server: Callable[[WorkerConfig], WorkerServer], default_model: str,
+               argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=role, description=f"specmesh {role} service")
+    commands = parser.add_subparsers(dest="command", required=True)
+    add_serve_arguments(commands.add_parser("serve", help=f"run the {role} gRPC service"), default_model)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s")
+    try:
+        config = WorkerConfig(model=args.model, role=role, host=args.host, port=args.port, device=args.device,
+                              dtype=args.dtype, threads=args.threads,
+                              limits=SessionLimits(max_sessions=args.max_sessions, idle_ttl_s=args.session_ttl),
+                              max_draft_tokens=args.max_draft_tokens, max_context_length=args.max_context_length)
+        server = build_server(config)
+    except (ValueError, OSError) as e:
+        print(f"{role}: error: {e}", file=sys.stderr)
+        return 2
+
+    stop_requested = threading.Event()
+
+    def on_signal(signum, frame) -> None:
+        stop_requested.set()
+        # Stop from another thread: server.stop blocks for the grace period.
+        threading.Thread(target=server.stop, args=(args.grace,), daemon=True).start()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    server.start()
+    print(f"LISTENING {server.address}", flush=True)
+    try:
+        server.load()
+    except Exception as e:  # a model that cannot load is fatal for a worker: say why and exit non-zero
+        logging.getLogger(role).error("could not load model %r: %s", args.model, e)
+        server.stop(grace=0)
+        return 1
+    print(f"READY {server.address}", flush=True)
+    server.wait()
+    return 0

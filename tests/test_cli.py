@@ -1,0 +1,73 @@
+"""The coordinator CLI end to end: it starts drafter and verifier subprocesses itself (tiny models, float64)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from specmesh.models import load_model
+from tests.helpers import reference_greedy
+
+TINY = ["--target-model", "tiny-random-qwen2", "--draft-model", "tiny-random-qwen2-b", "--dtype", "float64",
+        "--device", "cpu", "--no-chat"]
+
+
+def coordinator(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "coordinator", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def expected():
+    target = load_model("tiny-random-qwen2", device="cpu", dtype="float64")
+    prompt = target.tokenizer("hello world")["input_ids"]
+    return reference_greedy(target.model, prompt, 24, set(target.eos_token_ids))
+
+
+def test_generate_starts_local_workers_and_matches_target(expected):
+    run = coordinator("generate", "--prompt", "hello world", "--max-new-tokens", "24", "--json", *TINY)
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout)
+    assert out["status"] == "ok"
+    assert out["token_ids"] == expected
+    assert out["stats"]["rounds"] < 24 or out["stats"]["acceptance_rate"] is not None
+
+
+def test_generate_streams_text_and_prints_summary(expected):
+    run = coordinator("generate", "--prompt", "hello world", "--max-new-tokens", "24", "--draft-tokens", "3", *TINY)
+    assert run.returncode == 0, run.stderr
+    assert "tokens/s" in run.stderr and "acceptance rate" in run.stderr and "rounds" in run.stderr
+    assert run.stdout  # the generated text, streamed
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--max-new-tokens", "-3"], "max_new_tokens"),
+    (["--temperature", "-1"], "temperature"),
+    (["--draft-tokens", "-1"], "draft_tokens"),
+])
+def test_bad_arguments_get_a_clear_message(args, message):
+    run = coordinator("generate", "--prompt", "x", *args, *TINY)
+    assert run.returncode == 2
+    assert message in run.stderr and "Traceback" not in run.stderr
+
+
+def test_unknown_model_fails_cleanly():
+    run = coordinator("generate", "--prompt", "x", "--max-new-tokens", "4", "--target-model", "tiny-random-nope",
+                      "--draft-tokens", "0", "--device", "cpu")
+    assert run.returncode == 1
+    assert "tiny-random-nope" in run.stderr
+
+
+def test_models_list_names_the_catalog():
+    run = coordinator("models", "list")
+    assert run.returncode == 0
+    for name in ("qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct", "smollm2-135m-instruct"):
+        assert name in run.stdout
+
+
+def test_models_pull_unknown_name():
+    run = coordinator("models", "pull", "no-such-model")
+    assert run.returncode == 2 and "unknown model" in run.stderr

@@ -1,0 +1,216 @@
+"""Real gRPC servers on ephemeral ports with tiny random models (float64, so exactness is asserted exactly)."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from coordinator import Coordinator, GenerationOptions
+from coordinator.api import TokenizerMismatch
+from coordinator.remote import RemoteTargetSession, new_session_id
+from coordinator.loop import Draft
+from drafter.service import run_server as run_drafter
+from specmesh.history import EMPTY_HASH, history_hash
+from specmesh.sampling import SamplingParams
+from specmesh.v1 import specmesh_pb2 as pb
+from tests.helpers import reference_greedy
+from verifier.service import run_server as run_verifier
+
+PROMPT_TEXT = "def fibonacci(n):\n    "
+MAX_NEW = 40
+
+
+@pytest.fixture(scope="module")
+def verifier(tiny_target):
+    with run_verifier(tiny_target, port=0) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def same_drafter(tiny_target):
+    with run_drafter(tiny_target, port=0) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def unrelated_drafter(tiny_unrelated_draft):
+    with run_drafter(tiny_unrelated_draft, port=0) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def prompt(tiny_target):
+    return tiny_target.tokenizer(PROMPT_TEXT)["input_ids"]
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_target, prompt):
+    return reference_greedy(tiny_target.model, prompt, MAX_NEW, set(tiny_target.eos_token_ids))
+
+
+def generate(verifier, drafter, tokenizer, prompt, **options):
+    with Coordinator(verifier=verifier.address, drafter=drafter.address if drafter else None,
+                     tokenizer=tokenizer) as c:
+        return c.generate(list(prompt), GenerationOptions(max_new_tokens=MAX_NEW, **options))
+
+
+def test_target_only_equals_reference_greedy(verifier, tiny_target, prompt, expected):
+    result = generate(verifier, None, tiny_target.tokenizer, prompt, draft_tokens=0)
+    assert result.token_ids == expected
+    assert len(set(expected)) > 5, "the tiny model should not be degenerate"
+    assert result.stats["rounds"] == len(expected)
+
+
+@pytest.mark.parametrize("k", [None, 1, 3, 8])
+def test_identical_draft_accepts_everything(verifier, same_drafter, tiny_target, prompt, expected, k):
+    result = generate(verifier, same_drafter, tiny_target.tokenizer, prompt, draft_tokens=k)
+    assert result.token_ids == expected
+    assert result.stats["acceptance_rate"] == 1.0
+    assert result.stats["rounds"] < len(expected)
+
+
+@pytest.mark.parametrize("k", [None, 2, 5])
+def test_unrelated_draft_still_gives_target_output(verifier, unrelated_drafter, tiny_target, prompt, expected, k):
+    result = generate(verifier, unrelated_drafter, tiny_target.tokenizer, prompt, draft_tokens=k)
+    assert result.token_ids == expected
+    assert result.stats["acceptance_rate"] < 0.5
+
+
+def test_text_streams_and_stop_strings(verifier, same_drafter, tiny_target, prompt, expected):
+    pieces: list[str] = []
+    with Coordinator(verifier=verifier.address, drafter=same_drafter.address, tokenizer=tiny_target.tokenizer) as c:
+        full = c.generate(list(prompt), GenerationOptions(max_new_tokens=MAX_NEW), on_text=pieces.append)
+        assert "".join(pieces) == full.text == tiny_target.tokenizer.decode(expected, skip_special_tokens=True)
+        stop = full.text[10:13]
+        stopped = c.generate(list(prompt), GenerationOptions(max_new_tokens=MAX_NEW, stop=(stop,)))
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == full.text[:full.text.index(stop)]
+    assert stop not in stopped.text
+
+
+def test_seeded_sampling_repeats_and_seeds_differ(verifier, unrelated_drafter, tiny_target, prompt):
+    runs = [generate(verifier, unrelated_drafter, tiny_target.tokenizer, prompt, temperature=1.0, top_p=0.95,
+                     seed=seed).token_ids for seed in (7, 7, 8)]
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
+
+
+def test_session_survives_a_verifier_restart(tiny_target, prompt, expected):
+    """A restarted server knows nothing of the session: the client resyncs with the full history, nothing lost."""
+    with run_verifier(tiny_target, port=0) as first:
+        port = first.port
+        with Coordinator(verifier=first.address, tokenizer=tiny_target.tokenizer) as c:
+            session = RemoteTargetSession(c.verifier.stub, new_session_id(), prompt, SamplingParams(), 0, 10.0)
+            got = [session.verify(Draft()).next_token for _ in range(10)]
+    with run_verifier(tiny_target, port=port) as second:  # same address, empty session store
+        with Coordinator(verifier=second.address, tokenizer=tiny_target.tokenizer) as c:
+            session._stub = c.verifier.stub
+            while len(got) < len(expected):
+                got.append(session.verify(Draft()).next_token)
+    assert got == expected
+
+
+def test_tokenizer_mismatch_is_refused(verifier, tiny_other_tokenizer, tiny_target):
+    with run_drafter(tiny_other_tokenizer, port=0) as other:
+        with pytest.raises(TokenizerMismatch) as error:
+            Coordinator(verifier=verifier.address, drafter=other.address, tokenizer=tiny_target.tokenizer)
+    assert "tiny-random-llama" in str(error.value) and "tiny-random-qwen2" in str(error.value)
+
+
+# ---- bad input: INVALID_ARGUMENT with a message, and the server keeps serving ----
+
+def _ctx(tokens):
+    return pb.ContextSync(base_length=0, base_hash=EMPTY_HASH, new_tokens=tokens)
+
+
+BAD_VERIFY = {
+    "token out of range": dict(context=_ctx([1, 2, 10**6]), session_id="s"),
+    "negative token": dict(context=_ctx([1, -3]), session_id="s"),
+    "draft out of range": dict(context=_ctx([1, 2]), draft_tokens=[99999], session_id="s"),
+    "too many drafts": dict(context=_ctx([1, 2]), draft_tokens=[1] * 33, session_id="s"),
+    "empty session id": dict(context=_ctx([1, 2]), session_id=""),
+    "huge session id": dict(context=_ctx([1, 2]), session_id="x" * 500),
+    "empty context": dict(context=_ctx([]), session_id="s"),
+    "negative temperature": dict(context=_ctx([1, 2]), session_id="s", sampling=pb.SamplingParams(temperature=-1)),
+    "top_p above 1": dict(context=_ctx([1, 2]), session_id="s", sampling=pb.SamplingParams(temperature=1, top_p=2)),
+    "missing distributions": dict(context=_ctx([1, 2]), session_id="s", draft_tokens=[3],
+                                  sampling=pb.SamplingParams(temperature=1)),
+    "distribution not normalised": dict(
+        context=_ctx([1, 2]), session_id="s", draft_tokens=[3], sampling=pb.SamplingParams(temperature=1),
+        draft_distributions=[pb.SparseDistribution(token_ids=[3, 4], probs=[0.9, 0.9])]),
+    "NaN probability": dict(
+        context=_ctx([1, 2]), session_id="s", draft_tokens=[3], sampling=pb.SamplingParams(temperature=1),
+        draft_distributions=[pb.SparseDistribution(token_ids=[3], probs=[float("nan")])]),
+    "draft not in its distribution": dict(
+        context=_ctx([1, 2]), session_id="s", draft_tokens=[3], sampling=pb.SamplingParams(temperature=1),
+        draft_distributions=[pb.SparseDistribution(token_ids=[4], probs=[1.0])]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_VERIFY))
+def test_verifier_rejects_bad_input_and_keeps_serving(verifier, case):
+    with Coordinator(verifier=verifier.address, tokenizer=object()) as c:
+        with pytest.raises(grpc.RpcError) as error:
+            c.verifier.stub.Verify(pb.VerifyRequest(**BAD_VERIFY[case]), timeout=10)
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert error.value.details()
+        ok = c.verifier.stub.Verify(pb.VerifyRequest(session_id="ok", context=_ctx([1, 2, 3])), timeout=10)
+        assert ok.committed_length == 4
+
+
+BAD_PROPOSE = {
+    "k = 0": dict(num_tokens=0),
+    "k too large": dict(num_tokens=1000),
+    "token out of range": dict(num_tokens=2, context=_ctx([5, 10**7])),
+    "empty session id": dict(num_tokens=2, session_id=""),
+    "top_k negative": dict(num_tokens=2, sampling=pb.SamplingParams(temperature=1, top_k=-5)),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_PROPOSE))
+def test_drafter_rejects_bad_input_and_keeps_serving(unrelated_drafter, case):
+    request = dict(session_id="s", context=_ctx([1, 2, 3]))
+    request.update(BAD_PROPOSE[case])
+    from coordinator.workers import RemoteWorker
+    worker = RemoteWorker(unrelated_drafter.address, "drafter")
+    try:
+        with pytest.raises(grpc.RpcError) as error:
+            worker.stub.Propose(pb.ProposeRequest(**request), timeout=10)
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        ok = worker.stub.Propose(pb.ProposeRequest(session_id="ok", context=_ctx([1, 2]), num_tokens=3), timeout=10)
+        assert len(ok.tokens) == 3
+    finally:
+        worker.close()
+
+
+def test_unknown_session_or_diverged_history_asks_for_resync(verifier):
+    from coordinator.workers import RemoteWorker
+    worker = RemoteWorker(verifier.address, "verifier")
+    try:
+        stale = pb.ContextSync(base_length=5, base_hash=history_hash([1, 2, 3, 4, 5]), new_tokens=[6])
+        with pytest.raises(grpc.RpcError) as error:
+            worker.stub.Verify(pb.VerifyRequest(session_id=new_session_id(), context=stale), timeout=10)
+        assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert error.value.details().startswith("resync:")
+    finally:
+        worker.close()
+
+
+def test_info_reports_model_and_fingerprint(verifier, tiny_target):
+    from coordinator.workers import RemoteWorker
+    worker = RemoteWorker(verifier.address, "verifier")
+    try:
+        info = worker.info()
+    finally:
+        worker.close()
+    assert info.model_name == "tiny-random-qwen2"
+    assert info.tokenizer_fingerprint == tiny_target.fingerprint
+    assert info.vocab_size == tiny_target.vocab_size and info.dtype == "float64" and info.role == "verifier"
+    assert list(info.eos_token_ids) == list(tiny_target.eos_token_ids)
+
+
+def test_bad_generation_options_are_refused():
+    for bad in (dict(max_new_tokens=-1), dict(max_new_tokens=0), dict(temperature=-0.5), dict(top_p=0.0),
+                dict(draft_tokens=-2), dict(seed=-1)):
+        with pytest.raises(ValueError):
+            GenerationOptions(**bad)

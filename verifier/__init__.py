@@ -1,0 +1,1 @@
+"""The verifier service: the target model checking k draft tokens in one forward pass over gRPC."""

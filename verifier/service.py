@@ -1,0 +1,60 @@
+"""The Verifier gRPC service."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from specmesh.models import LoadedModel
+from specmesh.serving import WorkerConfig, WorkerServer, WorkerServicerBase, rpc, serving
+from specmesh.v1 import specmesh_pb2 as pb
+from specmesh.v1 import specmesh_pb2_grpc as pb_grpc
+from specmesh.validation import (check_context, check_session_id, check_token_ids, dist_from_wire,
+                                 sampling_from_wire)
+from verifier.engine import VerifyEngine
+
+SERVICE_NAME = "specmesh.v1.Verifier"
+
+
+class VerifierServicer(WorkerServicerBase, pb_grpc.VerifierServicer):
+    @rpc
+    def Verify(self, request: pb.VerifyRequest, context) -> pb.VerifyResponse:
+        engine: VerifyEngine = self.engine
+        vocab_size = engine.loaded.vocab_size
+        check_session_id(request.session_id)
+        drafts = list(request.draft_tokens)
+        if len(drafts) > self.worker.config.max_draft_tokens:
+            raise ValueError(f"{len(drafts)} draft tokens exceed max_draft_tokens {self.worker.config.max_draft_tokens}")
+        check_token_ids("draft_tokens", drafts, vocab_size)
+        new_tokens = list(request.context.new_tokens)
+        # +1: the verifier always adds one token of its own.
+        check_context(request.context.base_length, new_tokens, vocab_size,
+                      self.worker.max_context_length - len(drafts) - 1)
+        params = sampling_from_wire(request.sampling.temperature, request.sampling.top_k, request.sampling.top_p)
+        dists = [dist_from_wire(i, d.token_ids, d.probs, vocab_size)
+                 for i, d in enumerate(request.draft_distributions)]
+        if params.is_greedy and dists:
+            raise ValueError("draft_distributions must be empty for greedy decoding")
+        if not params.is_greedy and len(dists) != len(drafts):
+            raise ValueError(f"sampling needs one draft distribution per draft token: {len(dists)} for {len(drafts)}")
+        for i, (token, dist) in enumerate(zip(drafts, dists)):
+            if dist.prob_of(token) <= 0:
+                raise ValueError(f"draft_tokens[{i}] = {token} has probability 0 in its own draft distribution")
+        outcome = engine.verify(request.session_id, request.context.base_length, request.context.base_hash,
+                                new_tokens, drafts, dists, params, request.seed)
+        return pb.VerifyResponse(accepted=outcome.verdict.accepted, next_token=outcome.verdict.next_token,
+                                 committed_length=outcome.committed_length)
+
+
+def build_server(config: WorkerConfig, preloaded: LoadedModel | None = None) -> WorkerServer:
+    return WorkerServer(config, lambda loaded, server: VerifyEngine(loaded, server.config.limits), VerifierServicer,
+                        pb_grpc.add_VerifierServicer_to_server, SERVICE_NAME, preloaded)
+
+
+@contextmanager
+def run_server(model: str | LoadedModel, port: int = 0, **options) -> Iterator[WorkerServer]:
+    """A started, warmed-up verifier on `port` (0 = ephemeral); stopped on exit. For tests and embedding."""
+    preloaded = model if isinstance(model, LoadedModel) else None
+    config = WorkerConfig(model=preloaded.name if preloaded else model, role="verifier", port=port, **options)
+    with serving(build_server(config, preloaded)) as server:
+        yield server

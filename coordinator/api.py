@@ -8,18 +8,20 @@
 
 from __future__ import annotations
 
-import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
 
+from coordinator.fleet import WorkerPool
 from coordinator.loop import DraftLength, LoopConfig, LoopResult, speculative_decode
-from coordinator.remote import RemoteDraftSession, RemoteTargetSession, new_session_id
+from coordinator.remote import new_session_id
+from coordinator.resilience import NoWorkerAvailable, ResilienceConfig
+from coordinator.sessions import DegradingDraftSession, FailoverTargetSession, FaultStats
 from coordinator.text_stream import TextStream
-from coordinator.workers import RemoteWorker, WorkerError
+from coordinator.workers import WorkerError
 from specmesh.tokenizer import load_tokenizer
 from specmesh.sampling import SamplingParams
 from specmesh.validation import MAX_SEED
@@ -47,7 +49,6 @@ class GenerationOptions:
     seed: int | None = None  # None: 0 when greedy, random when sampling (reported in the result)
     stop: tuple[str, ...] = ()
     chat: bool = True  # apply the model's chat template when it has one
-    rpc_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -56,8 +57,6 @@ class GenerationOptions:
             raise ValueError(f"draft_tokens must be in 0..64, got {self.draft_tokens}")
         if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
             raise ValueError(f"seed must be in 0..2**64-1, got {self.seed}")
-        if not (math.isfinite(self.rpc_timeout_s) and self.rpc_timeout_s > 0):
-            raise ValueError(f"rpc_timeout_s must be > 0, got {self.rpc_timeout_s}")
         self.sampling  # validates temperature, top_p, top_k
 
     @property
@@ -74,7 +73,7 @@ class GenerationResult:
     stats: dict = field(default_factory=dict)
 
 
-def summarize(loop: LoopResult, elapsed_s: float, seed: int) -> dict:
+def summarize(loop: LoopResult, elapsed_s: float, seed: int, faults: FaultStats) -> dict:
     rounds = len(loop.rounds)
     drafted = sum(r.drafted for r in loop.rounds)
     accepted = sum(r.accepted for r in loop.rounds)
@@ -92,29 +91,43 @@ def summarize(loop: LoopResult, elapsed_s: float, seed: int) -> dict:
         "draft_s": round(sum(r.draft_s for r in loop.rounds), 4),
         "verify_s": round(sum(r.verify_s for r in loop.rounds), 4),
         "seed": seed,
+        **faults.as_dict(),
     }
 
 
 class Coordinator:
-    """Connects to one verifier and optionally one drafter, checks they are compatible, runs generations."""
+    """Connects to a pool of verifiers and optionally a pool of drafters, checks they are compatible, runs
+    generations. Addresses are HOST:PORT, or dns:///NAME:PORT for every address a name resolves to."""
 
-    def __init__(self, verifier: str, drafter: str | None = None, tokenizer=None,
-                 connect_timeout_s: float = 30.0) -> None:
-        self.verifier = RemoteWorker(verifier, "verifier")
-        self.drafter = RemoteWorker(drafter, "drafter") if drafter else None
+    def __init__(self, verifier: str | Sequence[str], drafter: str | Sequence[str] | None = None, tokenizer=None,
+                 resilience: ResilienceConfig = ResilienceConfig(), connect_timeout_s: float = 30.0) -> None:
+        self.resilience = resilience
+        self.verifiers = WorkerPool([verifier] if isinstance(verifier, str) else verifier, "verifier", resilience)
+        self.drafters = None
         try:
-            self.verifier.wait_serving(connect_timeout_s)
-            self.verifier_info = self.verifier.info()
-            self.drafter_info = None
-            if self.drafter is not None:
-                self.drafter.wait_serving(connect_timeout_s)
-                self.drafter_info = self.drafter.info()
+            if drafter:
+                self.drafters = WorkerPool([drafter] if isinstance(drafter, str) else drafter, "drafter",
+                                           resilience, self.verifiers.transitions)
+            self.verifier_info = self._info(self.verifiers, connect_timeout_s)
+            self.drafter_info = self._info(self.drafters, connect_timeout_s) if self.drafters else None
+            if self.drafter_info is not None:
                 check_compatible(self.drafter_info, self.verifier_info)
             self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(self.verifier_info.model_name)
         except BaseException:
             self.close()
             raise
         self.eos_token_ids = frozenset(self.verifier_info.eos_token_ids)
+
+    @staticmethod
+    def _info(pool: WorkerPool, timeout_s: float):
+        endpoint = pool.wait_any_serving(timeout_s)
+        if endpoint is None:
+            raise WorkerError(f"no {pool.role} SERVING within {timeout_s:.0f} s at "
+                              f"{', '.join(e.address for e in pool.endpoints)}")
+        try:
+            return endpoint.info()
+        except grpc.RpcError as e:
+            raise WorkerError(f"{pool.role} at {endpoint.address}: Info failed: {e.code().name} {e.details()}") from e
 
     def __enter__(self) -> "Coordinator":
         return self
@@ -123,9 +136,14 @@ class Coordinator:
         self.close()
 
     def close(self) -> None:
-        for worker in (self.verifier, self.drafter):
-            if worker is not None:
-                worker.close()
+        for pool in (self.verifiers, self.drafters):
+            if pool is not None:
+                pool.close()
+
+    @property
+    def breaker_transitions(self):
+        """Counter of (endpoint, old state, new state) -> count, for every breaker of this coordinator."""
+        return self.verifiers.transitions.counts
 
     def encode_prompt(self, prompt: str, chat: bool) -> list[int]:
         if chat and getattr(self.tokenizer, "chat_template", None):
@@ -138,37 +156,40 @@ class Coordinator:
                  on_text: Callable[[str], None] | None = None) -> GenerationResult:
         """Generate a completion; `on_text` receives text as it is accepted. A prompt may be given as token ids.
 
-        Raises GenerationFailed (with the partial result) when a worker fails."""
+        Raises GenerationFailed (with the partial result) when no verifier could serve a step within the retry
+        budget."""
         prompt_ids = list(prompt) if isinstance(prompt, list) else self.encode_prompt(prompt, options.chat)
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         seed = options.seed if options.seed is not None else (random.getrandbits(63) if options.temperature else 0)
-        use_drafter = self.drafter is not None and options.draft_tokens != 0
+        use_drafter = self.drafters is not None and options.draft_tokens != 0
         draft_length = DraftLength() if options.draft_tokens is None else DraftLength.fixed(options.draft_tokens)
         config = LoopConfig(max_new_tokens=options.max_new_tokens, eos_token_ids=self.eos_token_ids,
                             draft_length=draft_length)
         session_id = new_session_id()
-        target = RemoteTargetSession(self.verifier.stub, session_id, prompt_ids, options.sampling, seed,
-                                     options.rpc_timeout_s)
-        drafter = (RemoteDraftSession(self.drafter.stub, session_id, prompt_ids, options.sampling, seed,
-                                      options.rpc_timeout_s) if use_drafter else None)
+        faults = FaultStats()
+        target = FailoverTargetSession(self.verifiers, session_id, prompt_ids, options.sampling, seed,
+                                       self.resilience, faults)
+        drafter = (DegradingDraftSession(self.drafters, session_id, prompt_ids, options.sampling, seed,
+                                         self.resilience, faults) if use_drafter else None)
         stream = TextStream(self.tokenizer, options.stop, on_text)
         loop = LoopResult()
         started = time.perf_counter()
         try:
             speculative_decode(drafter, target, config, on_tokens=stream.push, result=loop)
-        except grpc.RpcError as e:
+        except (grpc.RpcError, NoWorkerAvailable) as e:
             stream.finish()
             partial = GenerationResult(stream.text, loop.tokens, len(prompt_ids), "error",
-                                       summarize(loop, time.perf_counter() - started, seed))
-            raise GenerationFailed(f"generation failed: {e.code().name}: {e.details()}", partial) from e
+                                       summarize(loop, time.perf_counter() - started, seed, faults))
+            reason = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) else str(e)
+            raise GenerationFailed(f"generation failed after {len(loop.tokens)} tokens: {reason}", partial) from e
         finally:
-            self.verifier.end_session(session_id)
+            target.end()
             if drafter is not None:
-                self.drafter.end_session(session_id)
+                drafter.end()
         text = stream.finish()
         return GenerationResult(text, loop.tokens, len(prompt_ids), loop.finish_reason,
-                                summarize(loop, time.perf_counter() - started, seed))
+                                summarize(loop, time.perf_counter() - started, seed, faults))
 
 
 def check_compatible(drafter_info, verifier_info) -> None:

@@ -8,6 +8,7 @@ import sys
 from contextlib import ExitStack
 
 from coordinator.api import Coordinator, GenerationFailed, GenerationOptions, GenerationResult
+from coordinator.resilience import ResilienceConfig
 from coordinator.workers import LocalWorkerSpec, WorkerError, local_workers
 from specmesh import catalog
 from specmesh.defaults import DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL
@@ -15,8 +16,10 @@ from specmesh.defaults import DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL
 
 def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", required=True, help="the prompt text")
-    p.add_argument("--drafter", default=None, help="drafter HOST:PORT (default: start one locally)")
-    p.add_argument("--verifier", default=None, help="verifier HOST:PORT (default: start one locally)")
+    p.add_argument("--drafter", action="append", default=None,
+                   help="drafter HOST:PORT or dns:///NAME:PORT; may be repeated (default: start one locally)")
+    p.add_argument("--verifier", action="append", default=None,
+                   help="verifier HOST:PORT or dns:///NAME:PORT; may be repeated (default: start one locally)")
     p.add_argument("--draft-model", default=DEFAULT_DRAFT_MODEL,
                    help=f"model for a locally started drafter (default: {DEFAULT_DRAFT_MODEL})")
     p.add_argument("--target-model", default=DEFAULT_TARGET_MODEL,
@@ -32,16 +35,36 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="dtype of locally started workers (default: auto)")
     p.add_argument("--device", default="auto", help="device of locally started workers (default: auto)")
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
-    p.add_argument("--rpc-timeout", type=float, default=60.0, help="seconds per RPC (default: 60)")
+    add_resilience_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, stats) instead")
+
+
+def add_resilience_arguments(p: argparse.ArgumentParser) -> None:
+    d = ResilienceConfig()
+    p.add_argument("--rpc-timeout", type=float, default=d.verify_timeout_s,
+                   help=f"deadline of one Verify or Propose attempt, seconds (default: {d.verify_timeout_s:g})")
+    p.add_argument("--retry-budget", type=float, default=d.retry_budget_s,
+                   help=f"seconds one step may spend retrying and failing over (default: {d.retry_budget_s:g})")
+    p.add_argument("--breaker-fail-max", type=int, default=d.breaker_fail_max,
+                   help=f"consecutive failures that open a worker's circuit breaker (default: {d.breaker_fail_max})")
+    p.add_argument("--breaker-reset", type=float, default=d.breaker_reset_s,
+                   help=f"seconds before an open breaker lets a probe through (default: {d.breaker_reset_s:g})")
+
+
+def resilience_from(args: argparse.Namespace) -> ResilienceConfig:
+    return ResilienceConfig(verify_timeout_s=args.rpc_timeout, propose_timeout_s=args.rpc_timeout,
+                            retry_budget_s=args.retry_budget, breaker_fail_max=args.breaker_fail_max,
+                            breaker_reset_s=args.breaker_reset)
 
 
 def print_summary(result: GenerationResult) -> None:
     s = result.stats
+    faults = f"; {s['retries']} retries, {s['failovers']} failovers, {s['degraded_rounds']} rounds without drafts" \
+        if s["retries"] or s["failovers"] or s["degraded_rounds"] else ""
     rate = "n/a" if s["acceptance_rate"] is None else f"{s['acceptance_rate']:.1%}"
     print(f"\n[{result.finish_reason}] {s['new_tokens']} new tokens in {s['elapsed_s']:.2f} s "
           f"({s['tokens_per_s']:.2f} tokens/s); acceptance rate {rate}; "
-          f"mean accepted length {s['mean_accepted_length']:.2f} tokens/round; {s['rounds']} rounds",
+          f"mean accepted length {s['mean_accepted_length']:.2f} tokens/round; {s['rounds']} rounds{faults}",
           file=sys.stderr)
 
 
@@ -49,8 +72,8 @@ def generate(args: argparse.Namespace) -> int:
     try:
         options = GenerationOptions(max_new_tokens=args.max_new_tokens, draft_tokens=args.draft_tokens,
                                     temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                                    seed=args.seed, stop=tuple(args.stop), chat=not args.no_chat,
-                                    rpc_timeout_s=args.rpc_timeout)
+                                    seed=args.seed, stop=tuple(args.stop), chat=not args.no_chat)
+        resilience = resilience_from(args)
     except ValueError as e:
         print(f"coordinator: error: {e}", file=sys.stderr)
         return 2
@@ -64,8 +87,9 @@ def generate(args: argparse.Namespace) -> int:
         try:
             addresses = stack.enter_context(local_workers(specs, progress=not args.json)) if specs else {}
             coordinator = stack.enter_context(Coordinator(
-                verifier=args.verifier or addresses["verifier"],
-                drafter=(args.drafter or addresses.get("drafter")) if need_drafter else None))
+                verifier=args.verifier or [addresses["verifier"]],
+                drafter=(args.drafter or [addresses["drafter"]]) if need_drafter else None,
+                resilience=resilience))
         except WorkerError as e:
             print(f"coordinator: error: {e}", file=sys.stderr)
             return 1

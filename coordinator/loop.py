@@ -129,5 +129,5 @@ def speculative_decode(drafter: DraftSource | None, target: TargetSession, confi
             result.finish_reason = finish
             return result
 
-        if drafter is not None:
-            k = config.draft_length.next(k, verdict.accepted == k_round)
+        if draft.tokens:  # a round without drafts (k = 0 or a degraded drafter) says nothing about k
+            k = config.draft_length.next(k, verdict.accepted == len(draft.tokens))

@@ -13,10 +13,8 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
-from coordinator.loop import Draft
-from specmesh.acceptance import Verdict
 from specmesh.history import TokenHistory
-from specmesh.sampling import SamplingParams, SparseDist
+from specmesh.sampling import SamplingParams
 from specmesh.serving import KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS, RESYNC_PREFIX
 from specmesh.v1 import specmesh_pb2 as pb
 from specmesh.v1 import specmesh_pb2_grpc as pb_grpc
@@ -47,8 +45,9 @@ def sampling_to_wire(params: SamplingParams) -> pb.SamplingParams:
 class SyncedHistory:
     """The committed history plus how much of it the server holds."""
 
-    def __init__(self, tokens: Sequence[int]) -> None:
+    def __init__(self, tokens: Sequence[int], stats=None) -> None:
         self.history = TokenHistory(tokens)
+        self.stats = stats  # anything with a `resyncs` counter
         self.server_length = 0  # the server has seen nothing yet: the first call carries the whole prompt
 
     def context(self, full: bool = False) -> pb.ContextSync:
@@ -63,52 +62,6 @@ class SyncedHistory:
         except grpc.RpcError as e:
             if not is_resync(e):
                 raise
+        if self.stats is not None:
+            self.stats.resyncs += 1
         return rpc(self.context(full=True))
-
-
-class RemoteDraftSession:
-    def __init__(self, stub: pb_grpc.DrafterStub, session_id: str, prompt: Sequence[int], params: SamplingParams,
-                 seed: int, timeout_s: float) -> None:
-        self._stub, self.session_id, self._params, self._seed = stub, session_id, params, seed
-        self._timeout_s = timeout_s
-        self.sync = SyncedHistory(prompt)
-
-    def propose(self, k: int) -> Draft:
-        def rpc(context: pb.ContextSync) -> pb.ProposeResponse:
-            return self._stub.Propose(pb.ProposeRequest(
-                session_id=self.session_id, context=context, num_tokens=k,
-                sampling=sampling_to_wire(self._params), seed=self._seed), timeout=self._timeout_s)
-
-        response = self.sync.call(rpc)
-        # The drafter now holds the committed history; its drafts are not committed until update().
-        self.sync.server_length = len(self.sync.history)
-        dists = tuple(SparseDist(tuple(d.token_ids), tuple(d.probs)) for d in response.distributions)
-        return Draft(tuple(response.tokens), dists)
-
-    def update(self, committed: Sequence[int]) -> None:
-        self.sync.history.extend(committed)
-
-
-class RemoteTargetSession:
-    def __init__(self, stub: pb_grpc.VerifierStub, session_id: str, prompt: Sequence[int], params: SamplingParams,
-                 seed: int, timeout_s: float) -> None:
-        self._stub, self.session_id, self._params, self._seed = stub, session_id, params, seed
-        self._timeout_s = timeout_s
-        self.sync = SyncedHistory(prompt)
-
-    def verify(self, draft: Draft) -> Verdict:
-        def rpc(context: pb.ContextSync) -> pb.VerifyResponse:
-            return self._stub.Verify(pb.VerifyRequest(
-                session_id=self.session_id, context=context, draft_tokens=list(draft.tokens),
-                draft_distributions=[pb.SparseDistribution(token_ids=list(d.token_ids), probs=list(d.probs))
-                                     for d in draft.dists],
-                sampling=sampling_to_wire(self._params), seed=self._seed), timeout=self._timeout_s)
-
-        response = self.sync.call(rpc)
-        verdict = Verdict(accepted=response.accepted, next_token=response.next_token)
-        # The verifier commits the accepted drafts and its own token itself, so next round sends nothing new.
-        self.sync.history.extend([*draft.tokens[:verdict.accepted], verdict.next_token])
-        self.sync.server_length = len(self.sync.history)
-        if response.committed_length != len(self.sync.history):
-            self.sync.server_length = 0  # disagreement about the history: rebuild it from scratch next call
-        return verdict

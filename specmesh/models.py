@@ -225,10 +225,7 @@ def _convert_gguf(gguf: Path, out: Path, progress: bool) -> None:
                   file=sys.stderr, flush=True)
         tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
         try:
-            # mkdtemp makes the dir 0700; give the cache the usual umask permissions.
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp, 0o777 & ~umask)
+            os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; the cache is ordinary data
             tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
             # dequantize=True: always a plain dense model.  Otherwise, where a GGUF
             # matmul kernel is available, transformers keeps GGUF blocks and the

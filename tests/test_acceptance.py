@@ -1,11 +1,12 @@
 """Tests for specmesh.sampling and specmesh.acceptance.
 
-The statistical tests are fully seeded (trial i uses seed i), so they are
-deterministic: they cannot flake, and a pass means the procedure is exact to
-within what N trials can resolve.  The statistic is Pearson's chi-square of
-the emitted-token counts against the target's warped distribution p, compared
-with the alpha = 0.001 critical value for (non-zero cells - 1) degrees of
-freedom; cells where p is exactly 0 must have zero count.
+The statistical tests are fully seeded (trial i uses seed i), so on a given
+platform they are deterministic and cannot flake.  The statistic is Pearson's
+chi-square of the emitted-token counts against the target's warped
+distribution p, compared with the alpha = 0.001 critical value for
+(non-zero cells - 1) degrees of freedom; a count in a cell where p is exactly
+0 fails outright.  A test that deliberately breaks the procedure checks that
+the statistic has the power to notice.
 """
 
 from __future__ import annotations
@@ -108,10 +109,9 @@ def first_token_counts(n, params, q_logits, p_logits, max_entries=256, verdict_f
     return torch.tensor(counts, dtype=F64)
 
 
-V = 8
-# p: a spread target with two unlikely tokens (6, 7: p ~ 0.0075, 0.0045).
+# p (V = 8): a spread target with two unlikely tokens (6, 7: p ~ 0.0075, 0.0045).
 P_LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -2.0, -2.5], dtype=F64)
-# q concentrated exactly where p is tiny: ~97% of q on tokens 6 and 7.
+# q concentrated exactly where p is tiny: ~99% of q on tokens 6 and 7.
 Q_FAR = torch.tensor([-3.0, -3.0, -3.0, -3.0, -3.0, -3.0, 3.0, 2.5], dtype=F64)
 Q_FLIP = P_LOGITS.flip(0)
 # Overlaps p only partly after the top-k/top-p warpers (q keeps 6, 2, 1, 4;
@@ -367,7 +367,7 @@ def test_large_vocab_smoke():
     [
         # Trial counts are sized to the 2 shared CPU cores (~0.5 ms/trial).
         # The hard case gets the most: at N = 10000 the subtle bug tested
-        # below (resampling from p) gives chi2 ~ 135 against 24.3.
+        # below (resampling from p) gives E[chi2] ~ 125 against 24.3.
         pytest.param(Q_FAR, T1, 10_000, id="q-far-from-p"),
         pytest.param(Q_FLIP, T1, 4_000, id="q-reversed"),
         pytest.param(P_LOGITS, T1, 3_000, id="q-equals-p"),  # ~always accepts
@@ -432,9 +432,9 @@ def _resample_from_p(drafts, dists, rows, params, seed, pos):
     return v
 
 
-# Expected chi2 (from the bias of each procedure on the q-far case): always
-# accepting emits ~q, chi2 in the tens of thousands even at n = 2000;
-# resampling from p gives chi2 ~ 0.0135 * n, i.e. ~55 at n = 4000 vs 24.3.
+# Expected chi2 = df + n * sum((p_bug - p)^2 / p) on the q-far case: always
+# accepting emits ~q (80.6 per trial: ~160000 at n = 2000); resampling from p
+# (0.0118 per trial: ~54 at n = 4000) against the critical value 24.3.
 @pytest.mark.parametrize("wrong, n", [(_always_accept, 2_000), (_resample_from_p, 4_000)])
 def test_wrong_procedures_are_detected(wrong, n):
     counts = first_token_counts(n, T1, Q_FAR, P_LOGITS, verdict_fn=wrong)

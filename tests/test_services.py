@@ -7,11 +7,10 @@ import pytest
 
 from coordinator import Coordinator, GenerationOptions
 from coordinator.api import TokenizerMismatch
-from coordinator.remote import RemoteTargetSession, new_session_id
-from coordinator.loop import Draft
+from coordinator.remote import new_session_id
+from coordinator.workers import RemoteWorker
 from drafter.service import run_server as run_drafter
 from specmesh.history import EMPTY_HASH, history_hash
-from specmesh.sampling import SamplingParams
 from specmesh.v1 import specmesh_pb2 as pb
 from tests.helpers import reference_greedy
 from verifier.service import run_server as run_verifier
@@ -97,17 +96,25 @@ def test_seeded_sampling_repeats_and_seeds_differ(verifier, unrelated_drafter, t
 
 def test_session_survives_a_verifier_restart(tiny_target, prompt, expected):
     """A restarted server knows nothing of the session: the client resyncs with the full history, nothing lost."""
+    servers = {}
     with run_verifier(tiny_target, port=0) as first:
-        port = first.port
-        with Coordinator(verifier=first.address, tokenizer=tiny_target.tokenizer) as c:
-            session = RemoteTargetSession(c.verifier.stub, new_session_id(), prompt, SamplingParams(), 0, 10.0)
-            got = [session.verify(Draft()).next_token for _ in range(10)]
-    with run_verifier(tiny_target, port=port) as second:  # same address, empty session store
-        with Coordinator(verifier=second.address, tokenizer=tiny_target.tokenizer) as c:
-            session._stub = c.verifier.stub
-            while len(got) < len(expected):
-                got.append(session.verify(Draft()).next_token)
-    assert got == expected
+        servers["current"] = first
+        restarted = []
+
+        def restart_once(text: str) -> None:
+            if not restarted:  # stop the verifier mid-generation, start a fresh one on the same port
+                port = servers["current"].port
+                servers["current"].stop(grace=0)
+                servers["current"] = stack.enter_context(run_verifier(tiny_target, port=port))
+                restarted.append(port)
+
+        from contextlib import ExitStack
+        with ExitStack() as stack, Coordinator(verifier=first.address, tokenizer=tiny_target.tokenizer) as c:
+            result = c.generate(list(prompt), GenerationOptions(max_new_tokens=MAX_NEW, draft_tokens=0),
+                                on_text=restart_once)
+    assert restarted
+    assert result.token_ids == expected
+    assert result.stats["resyncs"] >= 1  # the fresh server rebuilt the session from the full history
 
 
 def test_tokenizer_mismatch_is_refused(verifier, tiny_other_tokenizer, tiny_target):
@@ -149,13 +156,16 @@ BAD_VERIFY = {
 
 @pytest.mark.parametrize("case", list(BAD_VERIFY))
 def test_verifier_rejects_bad_input_and_keeps_serving(verifier, case):
-    with Coordinator(verifier=verifier.address, tokenizer=object()) as c:
+    worker = RemoteWorker(verifier.address, "verifier")
+    try:
         with pytest.raises(grpc.RpcError) as error:
-            c.verifier.stub.Verify(pb.VerifyRequest(**BAD_VERIFY[case]), timeout=10)
+            worker.stub.Verify(pb.VerifyRequest(**BAD_VERIFY[case]), timeout=10)
         assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert error.value.details()
-        ok = c.verifier.stub.Verify(pb.VerifyRequest(session_id="ok", context=_ctx([1, 2, 3])), timeout=10)
+        ok = worker.stub.Verify(pb.VerifyRequest(session_id="ok", context=_ctx([1, 2, 3])), timeout=10)
         assert ok.committed_length == 4
+    finally:
+        worker.close()
 
 
 BAD_PROPOSE = {
@@ -171,7 +181,6 @@ BAD_PROPOSE = {
 def test_drafter_rejects_bad_input_and_keeps_serving(unrelated_drafter, case):
     request = dict(session_id="s", context=_ctx([1, 2, 3]))
     request.update(BAD_PROPOSE[case])
-    from coordinator.workers import RemoteWorker
     worker = RemoteWorker(unrelated_drafter.address, "drafter")
     try:
         with pytest.raises(grpc.RpcError) as error:
@@ -184,7 +193,6 @@ def test_drafter_rejects_bad_input_and_keeps_serving(unrelated_drafter, case):
 
 
 def test_unknown_session_or_diverged_history_asks_for_resync(verifier):
-    from coordinator.workers import RemoteWorker
     worker = RemoteWorker(verifier.address, "verifier")
     try:
         stale = pb.ContextSync(base_length=5, base_hash=history_hash([1, 2, 3, 4, 5]), new_tokens=[6])
@@ -197,7 +205,6 @@ def test_unknown_session_or_diverged_history_asks_for_resync(verifier):
 
 
 def test_info_reports_model_and_fingerprint(verifier, tiny_target):
-    from coordinator.workers import RemoteWorker
     worker = RemoteWorker(verifier.address, "verifier")
     try:
         info = worker.info()

@@ -1,0 +1,157 @@
+"""Pools of drafter or verifier endpoints: health watching, circuit breakers, spreading sessions.
+
+`--verifier` may be repeated, and a `dns:///name:port` target expands to every address the name resolves to (a
+Kubernetes headless Service), re-resolved when no endpoint is usable.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import socket
+import threading
+import time
+from collections import Counter
+from collections.abc import Sequence
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from coordinator.remote import CHANNEL_OPTIONS
+from coordinator.resilience import EndpointBreaker, NoWorkerAvailable, ResilienceConfig, TransitionLog
+from specmesh.v1 import specmesh_pb2 as pb
+from specmesh.v1 import specmesh_pb2_grpc as pb_grpc
+
+log = logging.getLogger("specmesh.fleet")
+
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+
+
+def expand_targets(targets: Sequence[str]) -> list[str]:
+    """host:port stays as given (gRPC resolves it); dns:///name:port becomes one address per resolved IP."""
+    addresses: list[str] = []
+    for target in targets:
+        if target.startswith("dns:///"):
+            host, _, port = target[len("dns:///"):].rpartition(":")
+            try:
+                infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+            except (socket.gaierror, ValueError) as e:
+                log.warning("cannot resolve %s: %s", target, e)
+                continue
+            for family, _, _, _, sockaddr in infos:
+                ip = sockaddr[0]
+                address = f"[{ip}]:{port}" if family == socket.AF_INET6 else f"{ip}:{port}"
+                if address not in addresses:
+                    addresses.append(address)
+        elif target not in addresses:
+            addresses.append(target)
+    return addresses
+
+
+class Endpoint:
+    """One worker: channel, stubs, breaker, and its health as reported by a grpc.health.v1 Watch stream."""
+
+    def __init__(self, address: str, role: str, config: ResilienceConfig, transitions: TransitionLog,
+                 health_log: Counter) -> None:
+        self.address, self.role = address, role
+        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.stub = (pb_grpc.DrafterStub if role == "drafter" else pb_grpc.VerifierStub)(self.channel)
+        self.breaker = EndpointBreaker(f"{role}@{address}", config, transitions)
+        self.serving = False
+        self.sessions = 0  # generations currently pinned here
+        self._health_log = health_log
+        self._closed = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, name=f"health-{address}", daemon=True)
+        self._watcher.start()
+
+    def usable(self) -> bool:
+        return self.serving and self.breaker.allows_call()
+
+    def _set_serving(self, serving: bool) -> None:
+        if serving != self.serving:
+            self._health_log[(self.address, "SERVING" if serving else "NOT_SERVING")] += 1
+            log.info("%s %s is %s", self.role, self.address, "SERVING" if serving else "NOT SERVING")
+        self.serving = serving
+
+    def _watch(self) -> None:
+        backoff = 0.1
+        health = health_pb2_grpc.HealthStub(self.channel)
+        while not self._closed.is_set():
+            try:
+                for reply in health.Watch(health_pb2.HealthCheckRequest(service="")):
+                    self._set_serving(reply.status == _SERVING)
+                    backoff = 0.1
+            except grpc.RpcError:
+                pass  # the worker is gone or restarting: not serving until a new stream says otherwise
+            self._set_serving(False)
+            self._closed.wait(backoff)
+            backoff = min(backoff * 2, 2.0)
+
+    def wait_serving(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while not self.serving and time.monotonic() < deadline and not self._closed.is_set():
+            time.sleep(0.05)
+        return self.serving
+
+    def info(self, timeout_s: float = 10.0) -> pb.InfoResponse:
+        return self.stub.Info(pb.InfoRequest(), timeout=timeout_s)
+
+    def end_session(self, session_id: str) -> None:
+        try:
+            self.stub.EndSession(pb.EndSessionRequest(session_id=session_id), timeout=2.0)
+        except grpc.RpcError:
+            pass  # best effort: idle sessions expire on the server anyway
+
+    def close(self) -> None:
+        self._closed.set()
+        self.channel.close()
+
+
+class WorkerPool:
+    def __init__(self, targets: Sequence[str], role: str, config: ResilienceConfig,
+                 transitions: TransitionLog | None = None) -> None:
+        self.role, self.config, self.targets = role, config, list(targets)
+        self.transitions = transitions or TransitionLog()
+        self.health_log: Counter = Counter()  # (address, "SERVING"/"NOT_SERVING") -> times seen
+        self._lock = threading.Lock()
+        self.endpoints: list[Endpoint] = []
+        self._last_resolve = 0.0
+        self._refresh()
+        if not self.endpoints:
+            raise ValueError(f"no {role} address in {list(targets)}")
+
+    def _refresh(self) -> None:
+        """Add endpoints for addresses the targets now resolve to (new pods of a headless Service)."""
+        self._last_resolve = time.monotonic()
+        known = {e.address for e in self.endpoints}
+        for address in expand_targets(self.targets):
+            if address not in known:
+                self.endpoints.append(Endpoint(address, self.role, self.config, self.transitions, self.health_log))
+
+    def wait_any_serving(self, timeout_s: float) -> Endpoint | None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for endpoint in self.endpoints:
+                if endpoint.serving:
+                    return endpoint
+            time.sleep(0.05)
+        return None
+
+    def pick(self, avoid: Endpoint | None = None) -> Endpoint:
+        """A usable endpoint with the fewest pinned sessions, other than `avoid` when there is a choice."""
+        with self._lock:
+            usable = [e for e in self.endpoints if e.usable()]
+            if not usable and any("dns:///" in t for t in self.targets) and time.monotonic() - self._last_resolve > 2:
+                self._refresh()
+                usable = [e for e in self.endpoints if e.usable()]
+            others = [e for e in usable if e is not avoid]
+            candidates = others or usable
+            if not candidates:
+                raise NoWorkerAvailable(f"no {self.role} is serving with a closed breaker "
+                                        f"({', '.join(e.address for e in self.endpoints)})")
+            fewest = min(e.sessions for e in candidates)
+            return random.choice([e for e in candidates if e.sessions == fewest])
+
+    def close(self) -> None:
+        for endpoint in self.endpoints:
+            endpoint.close()

@@ -1,0 +1,116 @@
+"""Deadlines, retries and circuit breakers for the coordinator's RPCs.
+
+Retries live here only (tenacity), never in the gRPC channel as well: stacked retry layers multiply attempts.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+import grpc
+import pybreaker
+
+log = logging.getLogger("specmesh.resilience")
+
+# Worth another attempt (the same or another worker may answer): the worker is gone, slow or overloaded.
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                       grpc.StatusCode.RESOURCE_EXHAUSTED})
+# Count against a worker's breaker: it failed to serve, as opposed to the request being wrong.
+BREAKER_FAILURES = RETRYABLE | {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED}
+
+
+@dataclass(frozen=True)
+class ResilienceConfig:
+    """Every knob of the coordinator's fault handling (README: "Fault tolerance")."""
+
+    verify_timeout_s: float = 30.0    # deadline of one Verify attempt (one target forward pass + transfer)
+    propose_timeout_s: float = 30.0   # deadline of one Propose attempt (k draft forward passes + transfer)
+    retry_budget_s: float = 30.0      # total time one step may spend retrying before the generation fails
+    backoff_initial_s: float = 0.05   # first retry delay; doubles, with jitter, up to backoff_max_s
+    backoff_max_s: float = 1.0
+    breaker_fail_max: int = 3         # consecutive failures that open a worker's breaker
+    breaker_reset_s: float = 5.0      # an open breaker lets one probe through after this long (half-open)
+
+    def __post_init__(self) -> None:
+        for name in ("verify_timeout_s", "propose_timeout_s", "retry_budget_s", "backoff_initial_s",
+                     "backoff_max_s", "breaker_reset_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value}")
+        if self.breaker_fail_max < 1:
+            raise ValueError(f"breaker_fail_max must be >= 1, got {self.breaker_fail_max}")
+
+
+def is_retryable(error: BaseException) -> bool:
+    if isinstance(error, NoWorkerAvailable):
+        return True
+    return isinstance(error, grpc.RpcError) and error.code() in RETRYABLE
+
+
+class NoWorkerAvailable(Exception):
+    """No healthy worker with a closed (or probing) breaker right now."""
+
+
+class TransitionLog(pybreaker.CircuitBreakerListener):
+    """Logs and counts breaker transitions: counts[(endpoint, old, new)]."""
+
+    def __init__(self) -> None:
+        self.counts: Counter = Counter()
+        self._lock = threading.Lock()
+
+    def state_change(self, cb, old_state, new_state) -> None:
+        old = old_state.name if old_state else "none"
+        with self._lock:
+            self.counts[(cb.name, old, new_state.name)] += 1
+        log.warning("breaker %s: %s -> %s", cb.name, old, new_state.name)
+
+
+class _Recorded(Exception):
+    """Carries a failed call's outcome into the breaker."""
+
+
+class EndpointBreaker:
+    """A pybreaker breaker used without holding its lock during the real call.
+
+    pybreaker's call() keeps a lock for the whole wrapped call, which would serialise every concurrent generation
+    through one endpoint. So the RPC runs outside, and only its outcome is fed through call() with a function that
+    returns or raises at once: the lock is held for microseconds and the state machine stays pybreaker's.
+    """
+
+    def __init__(self, name: str, config: ResilienceConfig, listener: TransitionLog) -> None:
+        self.breaker = pybreaker.CircuitBreaker(fail_max=config.breaker_fail_max,
+                                                reset_timeout=config.breaker_reset_s, name=name,
+                                                listeners=[listener])
+
+    @property
+    def state(self) -> str:
+        return self.breaker.current_state
+
+    def allows_call(self) -> bool:
+        if self.breaker.current_state != pybreaker.STATE_OPEN:
+            return True
+        opened_at = self.breaker._state_storage.opened_at  # pybreaker keeps no public accessor for this
+        if opened_at is None:
+            return True
+        elapsed = time.time() - opened_at.timestamp()
+        return elapsed >= self.breaker.reset_timeout  # time for a half-open probe
+
+    def record_success(self) -> None:
+        try:
+            self.breaker.call(lambda: None)
+        except pybreaker.CircuitBreakerError:
+            pass  # still open (a concurrent failure re-opened it): nothing to record
+
+    def record_failure(self) -> None:
+        def fail() -> None:
+            raise _Recorded()
+
+        try:
+            self.breaker.call(fail)
+        except (_Recorded, pybreaker.CircuitBreakerError):
+            pass

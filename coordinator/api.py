@@ -71,6 +71,7 @@ class GenerationResult:
     prompt_tokens: int
     finish_reason: str  # "eos", "length", "stop" or "error"
     stats: dict = field(default_factory=dict)
+    rounds: list = field(default_factory=list)  # coordinator.loop.RoundRecord per round
 
 
 def summarize(loop: LoopResult, elapsed_s: float, seed: int, faults: FaultStats) -> dict:
@@ -180,7 +181,7 @@ class Coordinator:
         except (grpc.RpcError, NoWorkerAvailable) as e:
             stream.finish()
             partial = GenerationResult(stream.text, loop.tokens, len(prompt_ids), "error",
-                                       summarize(loop, time.perf_counter() - started, seed, faults))
+                                       summarize(loop, time.perf_counter() - started, seed, faults), loop.rounds)
             reason = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) else str(e)
             raise GenerationFailed(f"generation failed after {len(loop.tokens)} tokens: {reason}", partial) from e
         finally:
@@ -189,7 +190,7 @@ class Coordinator:
                 drafter.end()
         text = stream.finish()
         return GenerationResult(text, loop.tokens, len(prompt_ids), loop.finish_reason,
-                                summarize(loop, time.perf_counter() - started, seed, faults))
+                                summarize(loop, time.perf_counter() - started, seed, faults), loop.rounds)
 
 
 def check_compatible(drafter_info, verifier_info) -> None:

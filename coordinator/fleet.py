@@ -7,7 +7,6 @@ Kubernetes headless Service), re-resolved when no endpoint is usable.
 from __future__ import annotations
 
 import logging
-import random
 import socket
 import threading
 import time
@@ -149,8 +148,8 @@ class WorkerPool:
             if not candidates:
                 raise NoWorkerAvailable(f"no {self.role} is serving with a closed breaker "
                                         f"({', '.join(e.address for e in self.endpoints)})")
-            fewest = min(e.sessions for e in candidates)
-            return random.choice([e for e in candidates if e.sessions == fewest])
+            # Fewest pinned sessions first; ties go to the earliest listed endpoint, so placement is predictable.
+            return min(candidates, key=lambda e: e.sessions)
 
     def close(self) -> None:
         for endpoint in self.endpoints:

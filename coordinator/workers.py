@@ -76,6 +76,8 @@ class LocalWorkerSpec:
     device: str = "auto"
     dtype: str = "auto"
     threads: int | None = None
+    port: int = 0  # 0: a free port chosen by the worker
+    extra_args: tuple[str, ...] = ()
 
 
 class LocalWorker:
@@ -84,9 +86,10 @@ class LocalWorker:
     def __init__(self, spec: LocalWorkerSpec, log_dir: str) -> None:
         self.spec = spec
         self.log_path = os.path.join(log_dir, f"{spec.role}.log")
-        self._log = open(self.log_path, "wb")
+        self._log = open(self.log_path, "ab")
         command = [sys.executable, "-m", spec.role, "serve", "--model", spec.model, "--host", "127.0.0.1",
-                   "--port", "0", "--device", spec.device, "--dtype", spec.dtype, "--grace", "1"]
+                   "--port", str(spec.port), "--device", spec.device, "--dtype", spec.dtype, "--grace", "1",
+                   *spec.extra_args]
         if spec.threads:
             command += ["--threads", str(spec.threads)]
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=self._log, stdin=subprocess.DEVNULL)
@@ -118,6 +121,22 @@ class LocalWorker:
         except OSError:
             return ""
 
+    @property
+    def port(self) -> int:
+        return int(self.address.rsplit(":", 1)[1])
+
+    def kill(self) -> None:
+        """SIGKILL, and wait until the process is really gone."""
+        self.process.kill()
+        self.process.wait()
+
+    def wait_serving(self, timeout_s: float = 120.0) -> None:
+        client = RemoteWorker(self.address, self.spec.role)
+        try:
+            client.wait_serving(timeout_s, self.process)
+        finally:
+            client.close()
+
     def stop(self, timeout_s: float = 10.0) -> None:
         if self.process.poll() is None:
             self.process.terminate()
@@ -126,7 +145,8 @@ class LocalWorker:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
-        self._log.close()
+        if not self._log.closed:
+            self._log.close()
 
 
 @contextmanager

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from specmesh.history import EMPTY_HASH
 from specmesh.models import LoadedModel
 from specmesh.sampling import SamplingParams, SparseDist, draft_sample
+from specmesh.serving import Cancelled
 from specmesh.sessions import SessionLimits, SessionStore
 
 
@@ -31,7 +33,7 @@ class DraftEngine:
         self._lock = threading.Lock()  # one forward pass at a time: CPU threads are already all in use
 
     def propose(self, session_id: str, base_length: int, base_hash: int, new_tokens: list[int], k: int,
-                params: SamplingParams, seed: int) -> Proposal:
+                params: SamplingParams, seed: int, is_active: Callable[[], bool] = lambda: True) -> Proposal:
         with self._lock:
             session = self.sessions.synced(session_id, base_length, base_hash, new_tokens)
             committed = list(session.history.tokens)
@@ -39,6 +41,8 @@ class DraftEngine:
             tokens: list[int] = []
             dists: list[SparseDist] = []
             for _ in range(k):
+                if not is_active():  # the caller gave up: free the model for calls that still matter
+                    raise Cancelled("the call was cancelled or its deadline passed while drafting")
                 logits = session.sequence.logits_for(sequence, last_n=1)[0]
                 draft = draft_sample(logits, params, seed, position=len(sequence))
                 tokens.append(draft.token)

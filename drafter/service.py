@@ -27,8 +27,9 @@ class DrafterServicer(WorkerServicerBase, pb_grpc.DrafterServicer):
         check_context(request.context.base_length, new_tokens, engine.loaded.vocab_size,
                       self.worker.max_context_length - request.num_tokens)
         params = sampling_from_wire(request.sampling.temperature, request.sampling.top_k, request.sampling.top_p)
+        self.before_work(context)
         proposal = engine.propose(request.session_id, request.context.base_length, request.context.base_hash,
-                                  new_tokens, request.num_tokens, params, request.seed)
+                                  new_tokens, request.num_tokens, params, request.seed, is_active=context.is_active)
         return pb.ProposeResponse(
             tokens=list(proposal.tokens),
             distributions=[pb.SparseDistribution(token_ids=list(d.token_ids), probs=list(d.probs))

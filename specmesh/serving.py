@@ -58,6 +58,7 @@ class WorkerConfig:
     max_draft_tokens: int = 32
     max_context_length: int | None = None  # None: the model's max_position_embeddings
     max_workers: int = 8
+    inject_latency_s: float = 0.0  # testing knob: every Propose/Verify first waits this long (a slow worker)
 
     def __post_init__(self) -> None:
         if self.role not in ("drafter", "verifier"):
@@ -68,12 +69,18 @@ class WorkerConfig:
             raise ValueError(f"max_draft_tokens must be >= 1, got {self.max_draft_tokens}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if not self.inject_latency_s >= 0:
+            raise ValueError(f"inject_latency_s must be >= 0, got {self.inject_latency_s}")
         if self.max_context_length is not None and self.max_context_length < 2:
             raise ValueError(f"max_context_length must be >= 2, got {self.max_context_length}")
 
 
 class NotReady(Exception):
     """The model is still loading."""
+
+
+class Cancelled(Exception):
+    """The client cancelled the call or its deadline passed: stop working on it."""
 
 
 def rpc(handler: Callable) -> Callable:
@@ -85,6 +92,8 @@ def rpc(handler: Callable) -> Callable:
             return handler(self, request, context)
         except NotReady as e:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        except Cancelled as e:
+            context.abort(grpc.StatusCode.CANCELLED, str(e))
         except ResyncRequired as e:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{RESYNC_PREFIX} {e}")
         except ValueError as e:
@@ -106,6 +115,14 @@ class WorkerServicerBase:
             raise NotReady(f"{self.worker.config.role} is still loading its model")
         return engine
 
+    def before_work(self, context: grpc.ServicerContext) -> None:
+        """Injected latency (tests), then give up early if the caller has already gone."""
+        delay = self.worker.config.inject_latency_s
+        if delay:
+            self.worker.stopping.wait(delay)
+        if not context.is_active():
+            raise Cancelled("the call was cancelled or its deadline passed before work started")
+
     @rpc
     def Info(self, request, context) -> pb.InfoResponse:
         loaded: LoadedModel = self.engine.loaded
@@ -113,7 +130,7 @@ class WorkerServicerBase:
             model_name=loaded.name, vocab_size=loaded.vocab_size, tokenizer_fingerprint=loaded.fingerprint,
             eos_token_ids=list(loaded.eos_token_ids), device=str(loaded.device), dtype=dtype_name(loaded.dtype),
             max_draft_tokens=self.worker.config.max_draft_tokens, max_context_length=self.worker.max_context_length,
-            role=self.worker.config.role)
+            role=self.worker.config.role, active_sessions=len(self.engine.sessions))
 
     @rpc
     def EndSession(self, request, context) -> pb.EndSessionResponse:
@@ -143,6 +160,7 @@ class WorkerServer:
         if self.port == 0:
             raise OSError(f"could not bind {config.host}:{config.port}")
         self._stopped = threading.Event()
+        self.stopping = self._stopped  # set once shutdown begins: injected waits end early
 
     @property
     def address(self) -> str:

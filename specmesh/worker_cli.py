@@ -34,6 +34,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser, default_model: str) -> 
                         help="longest token history accepted (default: the model's maximum)")
     parser.add_argument("--grace", type=float, default=10.0,
                         help="seconds in-flight calls may finish after SIGTERM (default: 10)")
+    parser.add_argument("--inject-latency", type=float, default=0.0,
+                        help="testing: wait this many seconds before every Propose/Verify (default: 0)")
 
 
 def serve_main(role: str, build_server: Callable[[WorkerConfig], WorkerServer], default_model: str,
@@ -48,7 +50,8 @@ def serve_main(role: str, build_server: Callable[[WorkerConfig], WorkerServer], 
         config = WorkerConfig(model=args.model, role=role, host=args.host, port=args.port, device=args.device,
                               dtype=args.dtype, threads=args.threads,
                               limits=SessionLimits(max_sessions=args.max_sessions, idle_ttl_s=args.session_ttl),
-                              max_draft_tokens=args.max_draft_tokens, max_context_length=args.max_context_length)
+                              max_draft_tokens=args.max_draft_tokens, max_context_length=args.max_context_length,
+                              inject_latency_s=args.inject_latency)
         server = build_server(config)
     except (ValueError, OSError) as e:
         print(f"{role}: error: {e}", file=sys.stderr)

@@ -40,6 +40,7 @@ class VerifierServicer(WorkerServicerBase, pb_grpc.VerifierServicer):
         for i, (token, dist) in enumerate(zip(drafts, dists)):
             if dist.prob_of(token) <= 0:
                 raise ValueError(f"draft_tokens[{i}] = {token} has probability 0 in its own draft distribution")
+        self.before_work(context)
         outcome = engine.verify(request.session_id, request.context.base_length, request.context.base_hash,
                                 new_tokens, drafts, dists, params, request.seed)
         return pb.VerifyResponse(accepted=outcome.verdict.accepted, next_token=outcome.verdict.next_token,

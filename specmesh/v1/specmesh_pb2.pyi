@@ -89,7 +89,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "tokenizer_fingerprint", "eos_token_ids", "device", "dtype", "max_draft_tokens", "max_context_length", "role")
+    __slots__ = ("model_name", "vocab_size", "tokenizer_fingerprint", "eos_token_ids", "device", "dtype", "max_draft_tokens", "max_context_length", "role", "active_sessions")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +99,7 @@ class InfoResponse(_message.Message):
     MAX_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     tokenizer_fingerprint: str
@@ -108,7 +109,8 @@ class InfoResponse(_message.Message):
     max_draft_tokens: int
     max_context_length: int
     role: str
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_draft_tokens: _Optional[int] = ..., max_context_length: _Optional[int] = ..., role: _Optional[str] = ...) -> None: ...
+    active_sessions: int
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_draft_tokens: _Optional[int] = ..., max_context_length: _Optional[int] = ..., role: _Optional[str] = ..., active_sessions: _Optional[int] = ...) -> None: ...
 
 class EndSessionRequest(_message.Message):
     __slots__ = ("session_id",)

@@ -19,8 +19,7 @@ $(VENV)/.installed: pyproject.toml
 
 # Fetch and verify the default pair (sha256-pinned); instant when already fetched.
 models: $(VENV)/.installed
-	$(PY) -m coordinator models pull qwen2.5-coder-0.5b-instruct
-	$(PY) -m coordinator models pull qwen2.5-coder-1.5b-instruct
+	$(PY) -m coordinator models pull qwen2.5-coder-0.5b-instruct qwen2.5-coder-1.5b-instruct
 
 run: setup
 	$(PY) -m coordinator generate --prompt "$(PROMPT)" $(ARGS)

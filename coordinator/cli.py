@@ -7,9 +7,6 @@ import json
 import sys
 from contextlib import ExitStack
 
-from coordinator.api import Coordinator, GenerationFailed, GenerationOptions, GenerationResult
-from coordinator.resilience import ResilienceConfig
-from coordinator.workers import LocalWorkerSpec, WorkerError, local_workers
 from specmesh import catalog
 from specmesh.defaults import DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL
 
@@ -40,6 +37,7 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_resilience_arguments(p: argparse.ArgumentParser) -> None:
+    from coordinator.resilience import ResilienceConfig
     d = ResilienceConfig()
     p.add_argument("--rpc-timeout", type=float, default=d.verify_timeout_s,
                    help=f"deadline of one Verify or Propose attempt, seconds (default: {d.verify_timeout_s:g})")
@@ -51,13 +49,14 @@ def add_resilience_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"seconds before an open breaker lets a probe through (default: {d.breaker_reset_s:g})")
 
 
-def resilience_from(args: argparse.Namespace) -> ResilienceConfig:
+def resilience_from(args: argparse.Namespace):
+    from coordinator.resilience import ResilienceConfig
     return ResilienceConfig(verify_timeout_s=args.rpc_timeout, propose_timeout_s=args.rpc_timeout,
                             retry_budget_s=args.retry_budget, breaker_fail_max=args.breaker_fail_max,
                             breaker_reset_s=args.breaker_reset)
 
 
-def print_summary(result: GenerationResult) -> None:
+def print_summary(result) -> None:
     s = result.stats
     faults = f"; {s['retries']} retries, {s['failovers']} failovers, {s['degraded_rounds']} rounds without drafts" \
         if s["retries"] or s["failovers"] or s["degraded_rounds"] else ""
@@ -69,6 +68,9 @@ def print_summary(result: GenerationResult) -> None:
 
 
 def generate(args: argparse.Namespace) -> int:
+    # Heavy imports (torch, transformers) only for the commands that need them.
+    from coordinator.api import Coordinator, GenerationFailed, GenerationOptions
+    from coordinator.workers import LocalWorkerSpec, WorkerError, local_workers
     try:
         options = GenerationOptions(max_new_tokens=args.max_new_tokens, draft_tokens=args.draft_tokens,
                                     temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
@@ -124,7 +126,7 @@ def models_list(args: argparse.Namespace) -> int:
 
 
 def models_pull(args: argparse.Namespace) -> int:
-    names = list(catalog.CATALOG) if args.name == "all" else [args.name]
+    names = list(catalog.CATALOG) if "all" in args.name else args.name
     for name in names:
         if name not in catalog.CATALOG:
             print(f"coordinator: error: unknown model {name!r}; known: {', '.join(catalog.CATALOG)}", file=sys.stderr)
@@ -149,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     models_commands = models.add_subparsers(dest="models_command", required=True)
     models_commands.add_parser("list", help="list catalog models").set_defaults(func=models_list)
     pull = models_commands.add_parser("pull", help="download, assemble and verify a catalog model")
-    pull.add_argument("name", help="catalog model name, or 'all'")
+    pull.add_argument("name", nargs="+", help="catalog model name(s), or 'all'")
     pull.set_defaults(func=models_pull)
     return parser
 

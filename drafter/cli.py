@@ -1,4 +1,4 @@
-"""`drafter serve ...`"""
+"""`drafter serve ...`: a draft model (--method model, the default) or prompt lookup (--method ngram)."""
 
 from drafter.service import build_server
 from specmesh.defaults import DEFAULT_DRAFT_MODEL

@@ -38,12 +38,32 @@ def add_serve_arguments(parser: argparse.ArgumentParser, default_model: str) -> 
                         help="testing: wait this many seconds before every Propose/Verify (default: 0)")
 
 
-def serve_main(role: str, build_server: Callable[[WorkerConfig], WorkerServer], default_model: str,
+def add_drafter_arguments(parser: argparse.ArgumentParser) -> None:
+    """Drafter-only flags: how drafts are made."""
+    group = parser.add_argument_group("drafting method (drafter only)")
+    group.add_argument("--method", choices=("model", "ngram"), default="model",
+                       help="model: run the draft model --model; ngram: prompt lookup (copy what followed the latest "
+                       "earlier occurrence of the last n tokens), no weights loaded, --model then only names the "
+                       "tokenizer: give the target's (default: model)")
+    group.add_argument("--vocab-size", type=int, default=None,
+                       help="ngram: logits width reported to the coordinator (default: the --model config's "
+                       "vocab_size, else the tokenizer's size); must not exceed the verifier's")
+    group.add_argument("--ngram-max", type=int, default=None, help="ngram: longest n-gram matched (default: 3)")
+    group.add_argument("--ngram-min", type=int, default=None, help="ngram: shortest n-gram matched (default: 1)")
+
+
+def serve_main(role: str, build_server: Callable[..., WorkerServer], default_model: str,
                argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=role, description=f"specmesh {role} service")
     commands = parser.add_subparsers(dest="command", required=True)
-    add_serve_arguments(commands.add_parser("serve", help=f"run the {role} gRPC service"), default_model)
+    serve = commands.add_parser("serve", help=f"run the {role} gRPC service")
+    add_serve_arguments(serve, default_model)
+    if role == "drafter":
+        add_drafter_arguments(serve)
     args = parser.parse_args(argv)
+    # Passed to build_server as keywords, so the verifier's build_server never sees drafter options.
+    options = dict(method=args.method, vocab_size=args.vocab_size, ngram_min=args.ngram_min,
+                   ngram_max=args.ngram_max) if role == "drafter" else {}
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s")
     try:
@@ -52,7 +72,7 @@ def serve_main(role: str, build_server: Callable[[WorkerConfig], WorkerServer], 
                               limits=SessionLimits(max_sessions=args.max_sessions, idle_ttl_s=args.session_ttl),
                               max_draft_tokens=args.max_draft_tokens, max_context_length=args.max_context_length,
                               inject_latency_s=args.inject_latency)
-        server = build_server(config)
+        server = build_server(config, **options)
     except (ValueError, OSError) as e:
         print(f"{role}: error: {e}", file=sys.stderr)
         return 2

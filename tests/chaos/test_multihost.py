@@ -255,7 +255,10 @@ def drive(config: dict) -> int:
         pinned: list[str] = []  # the verifier holding the session at each text callback, in order
 
         def on_text(text: str) -> None:
-            pinned.append(next(e.address for e in c.verifiers.endpoints if e.sessions > 0))
+            holder = next((e.address for e in c.verifiers.endpoints if e.sessions > 0), None)
+            if holder is None:
+                return  # the final flush of held-back text comes after the session has ended
+            pinned.append(holder)
             if len(pinned) == 1:
                 say(f"PINNED {pinned[0]}")
                 sys.stdin.readline()  # the test cuts the link, then answers

@@ -1,0 +1,340 @@
+"""Model-free drafting by prompt lookup (n-gram matching), `drafter serve --method ngram`.
+
+The draft for the next round is a copy of what followed the most recent earlier occurrence of the history's last n
+tokens (n = max_ngram down to min_ngram), like HF's `prompt_lookup_num_tokens` and vLLM's ngram speculator. It costs no
+model weights and microseconds per call, and pays off where the output quotes its input (refactoring, editing,
+summarising with quotes) or repeats itself.
+
+When the match lies so close to the end that fewer than k tokens follow it, the copy runs on through its own proposed
+tokens, i.e. it assumes the repetition continues with the same period ("a b a b" proposes "a b a b ..."); HF and vLLM
+stop at the end of the history instead.
+
+The proposal is deterministic given the history, so under sampling its draft distribution is a point mass on the
+proposed token: speculative sampling then accepts token x with probability p(x) and resamples from p without x on
+rejection, which keeps the output distributed exactly as the target's. No match: an empty proposal, and the round is
+plain target decoding.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import cachetools
+import torch
+from grpc_health.v1 import health_pb2
+
+from drafter.engine import Proposal
+from specmesh import models
+from specmesh.fingerprint import tokenizer_fingerprint
+from specmesh.history import EMPTY_HASH, ResyncRequired, TokenHistory
+from specmesh.models import LoadedModel
+from specmesh.sampling import SamplingParams, SparseDist
+from specmesh.serving import Cancelled, WorkerConfig, WorkerServer
+from specmesh.sessions import SessionLimits
+from specmesh.tokenizer import load_tokenizer
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MIN_NGRAM = 1
+DEFAULT_MAX_NGRAM = 3
+NO_DTYPE = "none"  # what Info reports as the dtype of a drafter without weights
+
+
+# --------------------------------------------------------------------------
+# the lookup
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NgramConfig:
+    min_ngram: int = DEFAULT_MIN_NGRAM
+    max_ngram: int = DEFAULT_MAX_NGRAM
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_ngram <= self.max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got min_ngram={self.min_ngram}, "
+                             f"max_ngram={self.max_ngram}")
+
+
+def continue_from(tokens: Sequence[int], start: int, k: int) -> list[int]:
+    """k tokens copied from tokens[start:], running on through the copy itself past the end (periodic extension)."""
+    out: list[int] = []
+    n = len(tokens)
+    for i in range(k):
+        p = start + i
+        out.append(tokens[p] if p < n else out[p - n])
+    return out
+
+
+def lookup(tokens: Sequence[int], k: int, min_ngram: int = DEFAULT_MIN_NGRAM,
+           max_ngram: int = DEFAULT_MAX_NGRAM) -> list[int]:
+    """Reference implementation by linear scan: the proposal for `tokens`, at most k tokens, [] when nothing matches.
+
+    For n = max_ngram down to min_ngram, find the latest start j < len - n with tokens[j:j+n] == tokens[-n:] (an earlier
+    occurrence, possibly overlapping the suffix) and copy what follows it. NgramIndex gives the same answer in O(1).
+    """
+    NgramConfig(min_ngram, max_ngram)
+    length = len(tokens)
+    if k <= 0:
+        return []
+    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
+        suffix = list(tokens[length - n:])
+        for j in range(length - n - 1, -1, -1):
+            if list(tokens[j:j + n]) == suffix:
+                return continue_from(tokens, j + n, k)
+    return []
+
+
+class NgramIndex:
+    """For each n: n-gram -> the position right after its most recent occurrence that has a following token.
+
+    Kept incrementally over a growing history (O(max_ngram) per new token). The history's suffix n-gram is never in
+    the index until a token follows it, so a lookup always finds an *earlier* occurrence. Truncation of the history (a
+    retried call that builds on a shorter prefix) is noticed through the rolling hash and rebuilds the index.
+    """
+
+    def __init__(self, config: NgramConfig = NgramConfig()) -> None:
+        self.config = config
+        self._maps: dict[int, dict[tuple[int, ...], int]] = {}
+        self._indexed = 0  # continuation positions 0.._indexed-1 are in the maps
+        self._indexed_hash = EMPTY_HASH  # hash of the history's first _indexed tokens when they were indexed
+        self.reset()
+
+    def reset(self) -> None:
+        self._maps = {n: {} for n in range(self.config.min_ngram, self.config.max_ngram + 1)}
+        self._indexed = 0
+        self._indexed_hash = EMPTY_HASH
+
+    def update(self, history: TokenHistory) -> None:
+        """Bring the index up to date with `history` (rebuilt from scratch if the history was truncated/changed)."""
+        if self._indexed > len(history) or history.hash_at(self._indexed) != self._indexed_hash:
+            self.reset()
+        self._extend(history.tokens)
+        self._indexed_hash = history.hash_at(self._indexed)
+
+    def _extend(self, tokens: Sequence[int]) -> None:
+        lo, hi = self.config.min_ngram, self.config.max_ngram
+        for j in range(self._indexed, len(tokens)):  # token j follows the n-grams ending just before it
+            for n in range(lo, min(hi, j) + 1):
+                self._maps[n][tuple(tokens[j - n:j])] = j
+        self._indexed = len(tokens)
+
+    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+        """Same answer as lookup(tokens, k, ...) for the indexed history `tokens`."""
+        if k <= 0:
+            return []
+        for n in range(min(self.config.max_ngram, len(tokens) - 1), self.config.min_ngram - 1, -1):
+            start = self._maps[n].get(tuple(tokens[len(tokens) - n:]))
+            if start is not None:
+                return continue_from(tokens, start, k)
+        return []
+
+
+# --------------------------------------------------------------------------
+# what the drafter reports about "its model": the target's tokenizer, no weights
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NgramModelInfo:
+    """The `.loaded` of an n-gram drafter: everything Info reports, nothing to run."""
+
+    name: str
+    tokenizer: Any
+    vocab_size: int  # the target's logits width: ids the verifier may emit, checked on every Propose
+    eos_token_ids: tuple[int, ...]
+    fingerprint: str
+    max_position_embeddings: int | None = None
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    dtype: str = NO_DTYPE
+    model: None = None
+    has_chat_template: bool = False
+
+    @classmethod
+    def from_loaded(cls, loaded: LoadedModel) -> "NgramModelInfo":
+        """Borrow tokenizer, vocab width and eos ids of an already loaded model (tests, embedding)."""
+        return cls(name=loaded.name, tokenizer=loaded.tokenizer, vocab_size=loaded.vocab_size,
+                   eos_token_ids=loaded.eos_token_ids, fingerprint=loaded.fingerprint,
+                   max_position_embeddings=getattr(loaded.model.config, "max_position_embeddings", None),
+                   has_chat_template=loaded.has_chat_template)
+
+
+def _tokenizer_width(tokenizer) -> int:
+    """Smallest vocabulary that holds every id the tokenizer knows."""
+    ids = list(tokenizer.get_vocab().values())
+    return max(len(tokenizer), max(ids) + 1 if ids else 0)
+
+
+def _model_config(spec: str) -> dict | None:
+    """The model's config.json, read without loading weights; None when there is none to read."""
+    source = models._gguf_source(spec)
+    if source is not None:
+        path = models.converted_dir(source[1], source[2]) / "config.json"  # load_tokenizer converted it
+    else:
+        path = Path(spec).expanduser() / "config.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    try:  # a hub id: the config only, when the hub (or its local cache) is reachable
+        from transformers import AutoConfig
+        return AutoConfig.from_pretrained(spec).to_dict()
+    except Exception:
+        return None
+
+
+def _config_value(config: dict | None, key: str):
+    if not config:
+        return None
+    value = config.get(key)
+    if value is None and isinstance(config.get("text_config"), dict):
+        value = config["text_config"].get(key)
+    return value
+
+
+def load_ngram_info(spec: str, vocab_size: int | None = None, progress: bool = True) -> NgramModelInfo:
+    """The tokenizer of model `spec` (use the target's), its fingerprint, and the target's logits width.
+
+    The width is `vocab_size` when given, else the model config's vocab_size (read without the weights; tiny presets
+    use their padding rule), else the smallest width that holds every tokenizer id.
+    """
+    tokenizer = load_tokenizer(spec, progress=progress)
+    config = None
+    if models.is_tiny_preset(spec):
+        multiple = models._TINY_VOCAB_MULTIPLE
+        width = -(-len(tokenizer) // multiple) * multiple
+        max_positions = 2048
+    else:
+        config = _model_config(spec)
+        width = _config_value(config, "vocab_size")
+        max_positions = _config_value(config, "max_position_embeddings")
+    if vocab_size is not None:
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+        width = vocab_size
+    if not width:
+        width = _tokenizer_width(tokenizer)
+    eos: set[int] = set()
+    for value in (getattr(tokenizer, "eos_token_id", None), _config_value(config, "eos_token_id")):
+        if value is not None:
+            eos.update(int(v) for v in (value if isinstance(value, (list, tuple)) else [value]))
+    return NgramModelInfo(name=spec, tokenizer=tokenizer, vocab_size=int(width), eos_token_ids=tuple(sorted(eos)),
+                          fingerprint=tokenizer_fingerprint(tokenizer),
+                          max_position_embeddings=int(max_positions) if max_positions else None,
+                          has_chat_template=bool(getattr(tokenizer, "chat_template", None)))
+
+
+# --------------------------------------------------------------------------
+# sessions and the engine
+# --------------------------------------------------------------------------
+
+
+@dataclass
+class NgramSession:
+    history: TokenHistory
+    index: NgramIndex
+
+
+class NgramSessionStore:
+    """SessionStore's interface (synced / end / len) for sessions without a KV cache: history + n-gram index."""
+
+    def __init__(self, limits: SessionLimits = SessionLimits(), config: NgramConfig = NgramConfig()) -> None:
+        self._config = config
+        self._sessions: cachetools.TTLCache = cachetools.TTLCache(maxsize=limits.max_sessions, ttl=limits.idle_ttl_s)
+        self._lock = threading.Lock()
+
+    def synced(self, session_id: str, base_length: int, base_hash: int, new_tokens: list[int]) -> NgramSession:
+        with self._lock:
+            session = self._sessions.get(session_id)
+            if session is None:
+                if base_length != 0:
+                    raise ResyncRequired(f"unknown session {session_id!r}")
+                session = NgramSession(TokenHistory(), NgramIndex(self._config))
+            self._sessions[session_id] = session  # refreshes LRU order and TTL
+        session.history.apply_sync(base_length, base_hash, new_tokens)
+        session.index.update(session.history)
+        return session
+
+    def end(self, session_id: str) -> bool:
+        with self._lock:
+            return self._sessions.pop(session_id, None) is not None
+
+    def __len__(self) -> int:
+        with self._lock:
+            self._sessions.expire()
+            return len(self._sessions)
+
+
+class NgramEngine:
+    """DraftEngine's interface (propose / warm_up / loaded / sessions), drafting by prompt lookup."""
+
+    def __init__(self, loaded: NgramModelInfo, limits: SessionLimits = SessionLimits(),
+                 config: NgramConfig = NgramConfig()) -> None:
+        self.loaded = loaded
+        self.config = config
+        self.sessions = NgramSessionStore(limits, config)
+        # Sync + lookup take microseconds: one lock keeps a session's history and index consistent under concurrent
+        # calls (same session id from a retry) without a lock per session.
+        self._lock = threading.Lock()
+
+    def propose(self, session_id: str, base_length: int, base_hash: int, new_tokens: list[int], k: int,
+                params: SamplingParams, seed: int, is_active: Callable[[], bool] = lambda: True) -> Proposal:
+        if not is_active():
+            raise Cancelled("the call was cancelled or its deadline passed before drafting")
+        with self._lock:
+            session = self.sessions.synced(session_id, base_length, base_hash, new_tokens)
+            tokens = tuple(session.index.propose(session.history.tokens, k))
+            committed = len(session.history)
+        # Deterministic proposal: under sampling q is a point mass on each proposed token (seed is not needed).
+        dists = () if params.is_greedy else tuple(SparseDist((t,), (1.0,)) for t in tokens)
+        return Proposal(tokens, dists, committed)
+
+    def warm_up(self) -> None:
+        self.propose("warm-up", 0, EMPTY_HASH, [0, 1, 2, 0, 1], 2, SamplingParams(), 0)
+        self.sessions.end("warm-up")
+
+
+# --------------------------------------------------------------------------
+# the server: WorkerServer whose load() reads a tokenizer instead of model weights
+# --------------------------------------------------------------------------
+
+
+class NgramWorkerServer(WorkerServer):
+    """A drafter WorkerServer that never loads model weights: `load()` builds an NgramModelInfo from the tokenizer.
+
+    `preloaded` may be an NgramModelInfo, or a LoadedModel whose tokenizer and vocabulary width are borrowed.
+    """
+
+    def __init__(self, config: WorkerConfig, engine_factory: Callable, servicer_factory: Callable,
+                 add_servicer: Callable, service_name: str,
+                 preloaded: NgramModelInfo | LoadedModel | None = None, vocab_size: int | None = None) -> None:
+        super().__init__(config, engine_factory, servicer_factory, add_servicer, service_name, None)
+        self._ngram_preloaded = preloaded
+        self._vocab_size = vocab_size
+
+    def load(self) -> None:
+        preloaded = self._ngram_preloaded
+        if isinstance(preloaded, NgramModelInfo):
+            info = preloaded
+        elif isinstance(preloaded, LoadedModel):
+            info = NgramModelInfo.from_loaded(preloaded)
+        else:
+            info = load_ngram_info(self.config.model, self._vocab_size)
+        if self._vocab_size is not None and info.vocab_size != self._vocab_size:
+            info = replace(info, vocab_size=self._vocab_size)
+        limit = info.max_position_embeddings or 2**31 - 1
+        self.max_context_length = min(self.config.max_context_length or limit, limit)
+        engine = self._engine_factory(info, self)
+        engine.warm_up()
+        self.engine = engine
+        self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        log.info("drafter ready: method=ngram (n=%d..%d) tokenizer=%s vocab=%d port=%d", engine.config.min_ngram,
+                 engine.config.max_ngram, info.name, info.vocab_size, self.port)
+
+
+__all__ = ["NgramConfig", "NgramEngine", "NgramIndex", "NgramModelInfo", "NgramSessionStore", "NgramWorkerServer",
+           "continue_from", "load_ngram_info", "lookup"]

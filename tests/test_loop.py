@@ -1,0 +1,111 @@
+"""The accept/reject loop without gRPC: in-process engine-backed sessions, and the pieces around it."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator.loop import Draft, DraftLength, LoopConfig, speculative_decode
+from drafter.engine import DraftEngine
+from specmesh.history import TokenHistory
+from specmesh.sampling import SamplingParams
+from specmesh.sessions import SessionLimits, SessionStore
+from tests.helpers import reference_greedy
+from verifier.engine import VerifyEngine
+
+PARAMS = SamplingParams()
+
+
+class InProcessDrafter:
+    """DraftSource over a DraftEngine, syncing like the remote client does (deltas after the first call)."""
+
+    def __init__(self, engine: DraftEngine, prompt: list[int]) -> None:
+        self.engine, self.history, self.sent, self.requested = engine, TokenHistory(prompt), 0, []
+
+    def propose(self, k: int) -> Draft:
+        self.requested.append(k)
+        p = self.engine.propose("s", self.sent, self.history.hash_at(self.sent), self.history.tokens[self.sent:],
+                                k, PARAMS, 0)
+        self.sent = len(self.history)
+        return Draft(p.tokens, p.dists)
+
+    def update(self, committed) -> None:
+        self.history.extend(committed)
+
+
+class InProcessTarget:
+    def __init__(self, engine: VerifyEngine, prompt: list[int]) -> None:
+        self.engine, self.history, self.sent = engine, TokenHistory(prompt), 0
+
+    def verify(self, draft: Draft):
+        out = self.engine.verify("s", self.sent, self.history.hash_at(self.sent), self.history.tokens[self.sent:],
+                                 list(draft.tokens), list(draft.dists), PARAMS, 0)
+        self.history.extend([*draft.tokens[:out.verdict.accepted], out.verdict.next_token])
+        self.sent = len(self.history)
+        return out.verdict
+
+
+@pytest.fixture(scope="module")
+def prompt(tiny_target):
+    return tiny_target.tokenizer("for i in range(10):")["input_ids"]
+
+
+@pytest.mark.parametrize("draft_length", [DraftLength(), DraftLength.fixed(1), DraftLength.fixed(6)])
+def test_loop_equals_reference_greedy(tiny_target, tiny_unrelated_draft, prompt, draft_length):
+    expected = reference_greedy(tiny_target.model, prompt, 30, set(tiny_target.eos_token_ids))
+    drafter = InProcessDrafter(DraftEngine(tiny_unrelated_draft), prompt)
+    result = speculative_decode(drafter, InProcessTarget(VerifyEngine(tiny_target), prompt),
+                                LoopConfig(max_new_tokens=30, eos_token_ids=frozenset(tiny_target.eos_token_ids),
+                                           draft_length=draft_length))
+    assert result.tokens == expected
+    # Never draft past the budget: the target adds one token of its own each round.
+    assert sum(r.accepted + 1 for r in result.rounds) == len(result.tokens) or result.finish_reason == "eos"
+
+
+def test_loop_stops_at_eos_and_on_request(tiny_target, prompt):
+    expected = reference_greedy(tiny_target.model, prompt, 20)
+    eos = expected[5]  # pretend the 6th token is an end-of-sequence token
+    result = speculative_decode(None, InProcessTarget(VerifyEngine(tiny_target), prompt),
+                                LoopConfig(max_new_tokens=20, eos_token_ids=frozenset({eos})))
+    assert result.finish_reason == "eos" and result.tokens == expected[:expected.index(eos) + 1]
+    seen = []
+    result = speculative_decode(None, InProcessTarget(VerifyEngine(tiny_target), prompt),
+                                LoopConfig(max_new_tokens=20), on_tokens=lambda new: seen.extend(new) or len(seen) >= 3)
+    assert result.finish_reason == "stop" and result.tokens == expected[:3]
+
+
+def test_loop_respects_the_token_budget(tiny_target, prompt):
+    drafter = InProcessDrafter(DraftEngine(tiny_target), prompt)  # identical draft: everything accepted
+    result = speculative_decode(drafter, InProcessTarget(VerifyEngine(tiny_target), prompt),
+                                LoopConfig(max_new_tokens=7, draft_length=DraftLength.fixed(5)))
+    assert len(result.tokens) == 7 and result.finish_reason in ("length", "eos")
+    # Round one commits 5 drafts + the bonus token; with 1 token left, round two drafts nothing (k = 7 - 6 - 1 = 0).
+    assert drafter.requested == [5]
+    assert [r.drafted for r in result.rounds] == [5, 0]
+
+
+def test_adaptive_draft_length_follows_the_heuristic():
+    d = DraftLength(initial=4, minimum=1, maximum=8)
+    assert d.next(4, True) == 6 and d.next(8, True) == 8 and d.next(4, False) == 3 and d.next(1, False) == 1
+    assert DraftLength.fixed(3).next(3, True) == 3
+    with pytest.raises(ValueError):
+        DraftLength(initial=0, minimum=1)
+    with pytest.raises(ValueError):
+        LoopConfig(max_new_tokens=0)
+
+
+def test_session_store_evicts_least_recently_used_and_idle(tiny_target):
+    store = SessionStore(tiny_target.model, SessionLimits(max_sessions=2, idle_ttl_s=3600))
+    from specmesh.history import EMPTY_HASH
+    for sid in ("a", "b"):
+        store.synced(sid, 0, EMPTY_HASH, [1, 2])
+    store.synced("a", 2, store._sessions["a"].history.hash, [3])  # touch a: b is now least recently used
+    store.synced("c", 0, EMPTY_HASH, [1])
+    assert set(store._sessions) == {"a", "c"}
+    clock = [0.0]
+    expiring = SessionStore(tiny_target.model, SessionLimits(max_sessions=8, idle_ttl_s=10))
+    expiring._sessions = type(expiring._sessions)(maxsize=8, ttl=10, timer=lambda: clock[0])
+    expiring.synced("x", 0, EMPTY_HASH, [1])
+    clock[0] = 11.0
+    assert len(expiring) == 0
+    with pytest.raises(ValueError):
+        SessionLimits(max_sessions=0)

@@ -24,6 +24,7 @@ from coordinator.text_stream import TextStream
 from coordinator.workers import WorkerError
 from specmesh.tokenizer import load_tokenizer
 from specmesh.sampling import SamplingParams
+from specmesh.security import ClientSecurity, load_token
 from specmesh.validation import MAX_SEED
 
 
@@ -101,14 +102,19 @@ class Coordinator:
     generations. Addresses are HOST:PORT, or dns:///NAME:PORT for every address a name resolves to."""
 
     def __init__(self, verifier: str | Sequence[str], drafter: str | Sequence[str] | None = None, tokenizer=None,
-                 resilience: ResilienceConfig = ResilienceConfig(), connect_timeout_s: float = 30.0) -> None:
+                 resilience: ResilienceConfig = ResilienceConfig(), connect_timeout_s: float = 30.0,
+                 security: ClientSecurity | None = None) -> None:
+        """`security`: TLS files and bearer token for reaching the workers (default: plaintext, with the token from
+        $SPECMESH_TOKEN_FILE / $SPECMESH_TOKEN when set)."""
         self.resilience = resilience
-        self.verifiers = WorkerPool([verifier] if isinstance(verifier, str) else verifier, "verifier", resilience)
+        security = security if security is not None else ClientSecurity(token=load_token())
+        self.verifiers = WorkerPool([verifier] if isinstance(verifier, str) else verifier, "verifier", resilience,
+                                    security=security)
         self.drafters = None
         try:
             if drafter:
                 self.drafters = WorkerPool([drafter] if isinstance(drafter, str) else drafter, "drafter",
-                                           resilience, self.verifiers.transitions)
+                                           resilience, self.verifiers.transitions, security)
             self.verifier_info = self._info(self.verifiers, connect_timeout_s)
             self.drafter_info = self._info(self.drafters, connect_timeout_s) if self.drafters else None
             if self.drafter_info is not None:

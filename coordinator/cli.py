@@ -33,6 +33,12 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="device of locally started workers (default: auto)")
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     add_resilience_arguments(p)
+    p.add_argument("--tls-ca", help="PEM CA bundle to verify workers' certificates (enables TLS)")
+    p.add_argument("--tls-cert", help="PEM client certificate for mutual TLS")
+    p.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    p.add_argument("--tls-server-name", help="name to expect in the workers' certificates (default: the host)")
+    p.add_argument("--token-file", help="bearer token for the workers (default: $SPECMESH_TOKEN_FILE, else "
+                   "$SPECMESH_TOKEN)")
     p.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, stats) instead")
 
 
@@ -56,6 +62,14 @@ def resilience_from(args: argparse.Namespace):
                             breaker_reset_s=args.breaker_reset)
 
 
+def security_from(args: argparse.Namespace):
+    from specmesh.security import ClientSecurity, TlsFiles, load_token
+    tls = None
+    if args.tls_ca or args.tls_cert:
+        tls = TlsFiles(cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca, server_name=args.tls_server_name)
+    return ClientSecurity(tls=tls, token=load_token(args.token_file))
+
+
 def print_summary(result) -> None:
     s = result.stats
     faults = f"; {s['retries']} retries, {s['failovers']} failovers, {s['degraded_rounds']} rounds without drafts" \
@@ -76,6 +90,7 @@ def generate(args: argparse.Namespace) -> int:
                                     temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                     seed=args.seed, stop=tuple(args.stop), chat=not args.no_chat)
         resilience = resilience_from(args)
+        security = security_from(args)
     except ValueError as e:
         print(f"coordinator: error: {e}", file=sys.stderr)
         return 2
@@ -91,7 +106,7 @@ def generate(args: argparse.Namespace) -> int:
             coordinator = stack.enter_context(Coordinator(
                 verifier=args.verifier or [addresses["verifier"]],
                 drafter=(args.drafter or [addresses["drafter"]]) if need_drafter else None,
-                resilience=resilience))
+                resilience=resilience, security=security))
         except WorkerError as e:
             print(f"coordinator: error: {e}", file=sys.stderr)
             return 1

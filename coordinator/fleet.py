@@ -18,6 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.remote import CHANNEL_OPTIONS
 from coordinator.resilience import EndpointBreaker, NoWorkerAvailable, ResilienceConfig, TransitionLog
+from specmesh.security import ClientSecurity
 from specmesh.v1 import specmesh_pb2 as pb
 from specmesh.v1 import specmesh_pb2_grpc as pb_grpc
 
@@ -51,9 +52,9 @@ class Endpoint:
     """One worker: channel, stubs, breaker, and its health as reported by a grpc.health.v1 Watch stream."""
 
     def __init__(self, address: str, role: str, config: ResilienceConfig, transitions: TransitionLog,
-                 health_log: Counter) -> None:
+                 health_log: Counter, security: ClientSecurity) -> None:
         self.address, self.role = address, role
-        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.channel = security.channel(address, CHANNEL_OPTIONS)
         self.stub = (pb_grpc.DrafterStub if role == "drafter" else pb_grpc.VerifierStub)(self.channel)
         self.breaker = EndpointBreaker(f"{role}@{address}", config, transitions)
         self.serving = False
@@ -108,8 +109,8 @@ class Endpoint:
 
 class WorkerPool:
     def __init__(self, targets: Sequence[str], role: str, config: ResilienceConfig,
-                 transitions: TransitionLog | None = None) -> None:
-        self.role, self.config, self.targets = role, config, list(targets)
+                 transitions: TransitionLog | None = None, security: ClientSecurity = ClientSecurity()) -> None:
+        self.role, self.config, self.targets, self.security = role, config, list(targets), security
         self.transitions = transitions or TransitionLog()
         self.health_log: Counter = Counter()  # (address, "SERVING"/"NOT_SERVING") -> times seen
         self._lock = threading.Lock()
@@ -125,7 +126,8 @@ class WorkerPool:
         known = {e.address for e in self.endpoints}
         for address in expand_targets(self.targets):
             if address not in known:
-                self.endpoints.append(Endpoint(address, self.role, self.config, self.transitions, self.health_log))
+                self.endpoints.append(Endpoint(address, self.role, self.config, self.transitions, self.health_log,
+                                               self.security))
 
     def wait_any_serving(self, timeout_s: float) -> Endpoint | None:
         deadline = time.monotonic() + timeout_s

@@ -17,6 +17,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.remote import CHANNEL_OPTIONS
+from specmesh.security import ClientSecurity, load_token
 from specmesh.v1 import specmesh_pb2 as pb
 from specmesh.v1 import specmesh_pb2_grpc as pb_grpc
 
@@ -28,9 +29,10 @@ class WorkerError(RuntimeError):
 class RemoteWorker:
     """A channel to one drafter or verifier with its stub and health stub."""
 
-    def __init__(self, address: str, role: str) -> None:
+    def __init__(self, address: str, role: str, security: ClientSecurity | None = None) -> None:
         self.address, self.role = address, role
-        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        security = security if security is not None else ClientSecurity(token=load_token())
+        self.channel = security.channel(address, CHANNEL_OPTIONS)
         self.stub = (pb_grpc.DrafterStub if role == "drafter" else pb_grpc.VerifierStub)(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
 

@@ -49,6 +49,7 @@ class DraftEngine:
                 if draft.dist is not None:
                     dists.append(draft.dist)
                 sequence.append(draft.token)
+            self.sessions.enforce_memory()
             return Proposal(tuple(tokens), tuple(dists), len(committed))
 
     def warm_up(self) -> None:

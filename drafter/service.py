@@ -11,7 +11,7 @@ from specmesh.models import LoadedModel
 from specmesh.serving import WorkerConfig, WorkerServer, WorkerServicerBase, rpc, serving
 from specmesh.v1 import specmesh_pb2 as pb
 from specmesh.v1 import specmesh_pb2_grpc as pb_grpc
-from specmesh.validation import check_context, check_session_id, sampling_from_wire
+from specmesh.validation import check_context, sampling_from_wire
 
 SERVICE_NAME = "specmesh.v1.Drafter"
 
@@ -21,7 +21,7 @@ class DrafterServicer(WorkerServicerBase, pb_grpc.DrafterServicer):
     def Propose(self, request: pb.ProposeRequest, context) -> pb.ProposeResponse:
         engine: DraftEngine | NgramEngine = self.engine
         config = self.worker.config
-        check_session_id(request.session_id)
+        session_key = self.session_key(request.session_id, context)
         if not 1 <= request.num_tokens <= config.max_draft_tokens:
             raise ValueError(f"num_tokens must be in 1..{config.max_draft_tokens}, got {request.num_tokens}")
         new_tokens = list(request.context.new_tokens)
@@ -29,7 +29,7 @@ class DrafterServicer(WorkerServicerBase, pb_grpc.DrafterServicer):
                       self.worker.max_context_length - request.num_tokens)
         params = sampling_from_wire(request.sampling.temperature, request.sampling.top_k, request.sampling.top_p)
         self.before_work(context)
-        proposal = engine.propose(request.session_id, request.context.base_length, request.context.base_hash,
+        proposal = engine.propose(session_key, request.context.base_length, request.context.base_hash,
                                   new_tokens, request.num_tokens, params, request.seed, is_active=context.is_active)
         return pb.ProposeResponse(
             tokens=list(proposal.tokens),

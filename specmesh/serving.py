@@ -21,6 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from specmesh.devices import dtype_name
 from specmesh.history import ResyncRequired
 from specmesh.models import LoadedModel, load_model
+from specmesh.security import TlsFiles, TokenAuthInterceptor, caller_identity
 from specmesh.sessions import SessionLimits
 from specmesh.v1 import specmesh_pb2 as pb
 from specmesh.validation import check_session_id
@@ -39,8 +40,6 @@ SERVER_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
     ("grpc.http2.max_pings_without_data", 0),
-    ("grpc.max_receive_message_length", 16 * 1024 * 1024),
-    ("grpc.max_send_message_length", 16 * 1024 * 1024),
     ("grpc.so_reuseport", 0),  # an ephemeral port must never be shared with a stale server
 ]
 
@@ -59,6 +58,10 @@ class WorkerConfig:
     max_context_length: int | None = None  # None: the model's max_position_embeddings
     max_workers: int = 8
     inject_latency_s: float = 0.0  # testing knob: every Propose/Verify first waits this long (a slow worker)
+    tls: TlsFiles | None = None  # server certificate (+ CA: require client certificates, mutual TLS)
+    token: str | None = None  # bearer token every non-health RPC must carry
+    max_message_bytes: int = 4 * 1024 * 1024
+    max_concurrent_rpcs: int = 64  # beyond this, calls are answered RESOURCE_EXHAUSTED
 
     def __post_init__(self) -> None:
         if self.role not in ("drafter", "verifier"):
@@ -69,6 +72,12 @@ class WorkerConfig:
             raise ValueError(f"max_draft_tokens must be >= 1, got {self.max_draft_tokens}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if self.max_message_bytes < 1024:
+            raise ValueError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
+        if self.max_concurrent_rpcs < 1:
+            raise ValueError(f"max_concurrent_rpcs must be >= 1, got {self.max_concurrent_rpcs}")
+        if self.token is not None and len(self.token) < 16:
+            raise ValueError("the bearer token must be at least 16 characters")
         if not self.inject_latency_s >= 0:
             raise ValueError(f"inject_latency_s must be >= 0, got {self.inject_latency_s}")
         if self.max_context_length is not None and self.max_context_length < 2:
@@ -115,6 +124,16 @@ class WorkerServicerBase:
             raise NotReady(f"{self.worker.config.role} is still loading its model")
         return engine
 
+    @staticmethod
+    def session_key(session_id: str, context: grpc.ServicerContext) -> str:
+        """Sessions are namespaced by the authenticated caller: one client cannot name another's session."""
+        check_session_id(session_id)
+        identity = caller_identity.get()
+        if not identity:
+            subject = (context.auth_context() or {}).get("x509_subject")
+            identity = "cert:" + subject[0].decode(errors="replace") if subject else ""
+        return f"{identity}/{session_id}"
+
     def before_work(self, context: grpc.ServicerContext) -> None:
         """Injected latency (tests), then give up early if the caller has already gone."""
         delay = self.worker.config.inject_latency_s
@@ -134,8 +153,7 @@ class WorkerServicerBase:
 
     @rpc
     def EndSession(self, request, context) -> pb.EndSessionResponse:
-        check_session_id(request.session_id)
-        return pb.EndSessionResponse(existed=self.engine.sessions.end(request.session_id))
+        return pb.EndSessionResponse(existed=self.engine.sessions.end(self.session_key(request.session_id, context)))
 
 
 class WorkerServer:
@@ -149,14 +167,21 @@ class WorkerServer:
         self._engine_factory = engine_factory
         self._preloaded = preloaded
         self._service_name = service_name
+        options = [*SERVER_OPTIONS, ("grpc.max_receive_message_length", config.max_message_bytes),
+                   ("grpc.max_send_message_length", config.max_message_bytes)]
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.max_workers,
                                                               thread_name_prefix=config.role),
-                                   options=SERVER_OPTIONS)
+                                   options=options, maximum_concurrent_rpcs=config.max_concurrent_rpcs,
+                                   interceptors=[TokenAuthInterceptor(config.token)] if config.token else [])
         self.health = health.HealthServicer(experimental_non_blocking=True)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         add_servicer(servicer_factory(self), self._server)
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.port = self._server.add_insecure_port(f"{config.host}:{config.port}")
+        bind = f"[{config.host}]:{config.port}" if ":" in config.host else f"{config.host}:{config.port}"
+        if config.tls is not None and config.tls.enabled:
+            self.port = self._server.add_secure_port(bind, config.tls.server_credentials())
+        else:
+            self.port = self._server.add_insecure_port(bind)
         if self.port == 0:
             raise OSError(f"could not bind {config.host}:{config.port}")
         self._stopped = threading.Event()

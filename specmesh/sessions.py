@@ -16,8 +16,11 @@ from specmesh.kv_cache import CachedSequence
 class SessionLimits:
     max_sessions: int = 64
     idle_ttl_s: float = 600.0
+    max_cache_bytes: int | None = None  # KV-cache memory across sessions; least recently used evicted beyond it
 
     def __post_init__(self) -> None:
+        if self.max_cache_bytes is not None and self.max_cache_bytes < 1:
+            raise ValueError(f"max_cache_bytes must be >= 1, got {self.max_cache_bytes}")
         if self.max_sessions < 1:
             raise ValueError(f"max_sessions must be >= 1, got {self.max_sessions}")
         if not self.idle_ttl_s > 0:
@@ -36,6 +39,7 @@ class SessionStore:
 
     def __init__(self, model: torch.nn.Module, limits: SessionLimits) -> None:
         self._model = model
+        self._max_cache_bytes = limits.max_cache_bytes
         self._sessions: cachetools.TTLCache = cachetools.TTLCache(maxsize=limits.max_sessions, ttl=limits.idle_ttl_s)
         self._lock = threading.Lock()
 
@@ -50,6 +54,23 @@ class SessionStore:
             self._sessions[session_id] = session  # (re)insert: refreshes both LRU order and TTL
         session.history.apply_sync(base_length, base_hash, new_tokens)
         return session
+
+    def enforce_memory(self) -> None:
+        """Evict least recently used sessions while the KV caches together exceed the memory limit (the most recent
+        session always stays: it is the one being served)."""
+        if self._max_cache_bytes is None:
+            return
+        with self._lock:
+            while len(self._sessions) > 1 and self.cache_bytes_locked() > self._max_cache_bytes:
+                self._sessions.popitem()  # TTLCache.popitem removes the least recently used entry
+
+    def cache_bytes_locked(self) -> int:
+        return sum(session.sequence.num_bytes for session in self._sessions.values())
+
+    @property
+    def cache_bytes(self) -> int:
+        with self._lock:
+            return self.cache_bytes_locked()
 
     def end(self, session_id: str) -> bool:
         with self._lock:

@@ -13,6 +13,7 @@ import sys
 import threading
 from collections.abc import Callable
 
+from specmesh.security import TlsFiles, exposure_warning, load_token
 from specmesh.serving import WorkerConfig, WorkerServer
 from specmesh.sessions import SessionLimits
 
@@ -36,6 +37,20 @@ def add_serve_arguments(parser: argparse.ArgumentParser, default_model: str) -> 
                         help="seconds in-flight calls may finish after SIGTERM (default: 10)")
     parser.add_argument("--inject-latency", type=float, default=0.0,
                         help="testing: wait this many seconds before every Propose/Verify (default: 0)")
+    limits = parser.add_argument_group("limits")
+    limits.add_argument("--max-cache-bytes", type=int, default=None,
+                        help="KV-cache memory across sessions; least recently used sessions are evicted beyond it "
+                        "(default: unlimited)")
+    limits.add_argument("--max-message-bytes", type=int, default=4 * 1024 * 1024,
+                        help="largest request or response (default: 4 MiB)")
+    limits.add_argument("--max-concurrent-rpcs", type=int, default=64,
+                        help="calls in progress at once; more are answered RESOURCE_EXHAUSTED (default: 64)")
+    security = parser.add_argument_group("security")
+    security.add_argument("--tls-cert", help="PEM server certificate (enables TLS)")
+    security.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    security.add_argument("--tls-ca", help="PEM CA bundle: require client certificates signed by it (mutual TLS)")
+    security.add_argument("--token-file", help="file holding the bearer token every RPC must carry "
+                          "(default: $SPECMESH_TOKEN_FILE, else $SPECMESH_TOKEN, else no token)")
 
 
 def add_drafter_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,11 +82,19 @@ def serve_main(role: str, build_server: Callable[..., WorkerServer], default_mod
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s")
     try:
+        tls = TlsFiles(cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca) if (args.tls_cert or args.tls_ca) else None
+        token = load_token(args.token_file)
         config = WorkerConfig(model=args.model, role=role, host=args.host, port=args.port, device=args.device,
                               dtype=args.dtype, threads=args.threads,
-                              limits=SessionLimits(max_sessions=args.max_sessions, idle_ttl_s=args.session_ttl),
+                              limits=SessionLimits(max_sessions=args.max_sessions, idle_ttl_s=args.session_ttl,
+                                                   max_cache_bytes=args.max_cache_bytes),
                               max_draft_tokens=args.max_draft_tokens, max_context_length=args.max_context_length,
-                              inject_latency_s=args.inject_latency)
+                              inject_latency_s=args.inject_latency, tls=tls, token=token,
+                              max_message_bytes=args.max_message_bytes,
+                              max_concurrent_rpcs=args.max_concurrent_rpcs)
+        warning = exposure_warning(args.host, tls, token)
+        if warning:
+            print(warning, file=sys.stderr, flush=True)
         server = build_server(config, **options)
     except (ValueError, OSError) as e:
         print(f"{role}: error: {e}", file=sys.stderr)

@@ -36,6 +36,7 @@ class VerifyEngine:
             # Keep the KV of the accepted drafts only; the next token's KV is computed on the next call.
             session.sequence.rollback(start + verdict.accepted)
             session.history.extend([*drafts[:verdict.accepted], verdict.next_token])
+            self.sessions.enforce_memory()
             return VerifyOutcome(verdict, len(session.history))
 
     def warm_up(self) -> None:

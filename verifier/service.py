@@ -9,7 +9,7 @@ from specmesh.models import LoadedModel
 from specmesh.serving import WorkerConfig, WorkerServer, WorkerServicerBase, rpc, serving
 from specmesh.v1 import specmesh_pb2 as pb
 from specmesh.v1 import specmesh_pb2_grpc as pb_grpc
-from specmesh.validation import (check_context, check_session_id, check_token_ids, dist_from_wire,
+from specmesh.validation import (check_context, check_token_ids, dist_from_wire,
                                  sampling_from_wire)
 from verifier.engine import VerifyEngine
 
@@ -21,7 +21,7 @@ class VerifierServicer(WorkerServicerBase, pb_grpc.VerifierServicer):
     def Verify(self, request: pb.VerifyRequest, context) -> pb.VerifyResponse:
         engine: VerifyEngine = self.engine
         vocab_size = engine.loaded.vocab_size
-        check_session_id(request.session_id)
+        session_key = self.session_key(request.session_id, context)
         drafts = list(request.draft_tokens)
         if len(drafts) > self.worker.config.max_draft_tokens:
             raise ValueError(f"{len(drafts)} draft tokens exceed max_draft_tokens {self.worker.config.max_draft_tokens}")
@@ -41,7 +41,7 @@ class VerifierServicer(WorkerServicerBase, pb_grpc.VerifierServicer):
             if dist.prob_of(token) <= 0:
                 raise ValueError(f"draft_tokens[{i}] = {token} has probability 0 in its own draft distribution")
         self.before_work(context)
-        outcome = engine.verify(request.session_id, request.context.base_length, request.context.base_hash,
+        outcome = engine.verify(session_key, request.context.base_length, request.context.base_hash,
                                 new_tokens, drafts, dists, params, request.seed)
         return pb.VerifyResponse(accepted=outcome.verdict.accepted, next_token=outcome.verdict.next_token,
                                  committed_length=outcome.committed_length)

@@ -182,6 +182,7 @@ def test_cut_link_of_pinned_verifier_fails_over_across_hosts(mesh, tiny, prompt,
     python = str(REPO / ".venv" / "bin" / "python") if (REPO / ".venv" / "bin" / "python").exists() else sys.executable
     verifiers = {"v1": f"{mesh.address('v1')}:{VERIFIER_PORT}", "v2": f"{mesh.address('v2')}:{VERIFIER_PORT}"}
     drafter = f"{mesh.address('drafter')}:{DRAFTER_PORT}"
+    begun = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="specmesh-multihost-") as logs:
         for host, role, model, port in (("v1", "verifier", TARGET, VERIFIER_PORT),
                                         ("v2", "verifier", TARGET, VERIFIER_PORT),
@@ -205,6 +206,7 @@ def test_cut_link_of_pinned_verifier_fails_over_across_hosts(mesh, tiny, prompt,
             pinned = out.expect("PINNED", 30)
             host = next(h for h, a in verifiers.items() if a == pinned)
             mesh.cut(host)
+            cut_at = time.monotonic()
             driver.stdin.write(b"cut\n")
             driver.stdin.flush()
             result = json.loads(out.expect("RESULT", GENERATION_BOUND_S + HEALTH_WAIT_S + 15))
@@ -212,6 +214,7 @@ def test_cut_link_of_pinned_verifier_fails_over_across_hosts(mesh, tiny, prompt,
             raise AssertionError(f"{e}\n{logs_tail()}") from None
         assert driver.wait(timeout=30) == 0, logs_tail()
 
+    print(f"pinned {pinned} cut at +{cut_at - begun:.1f} s; driver result: {json.dumps(result)}")
     other = next(a for a in verifiers.values() if a != pinned)
     assert result["error"] is None, result["error"]
     assert result["token_ids"] == expected, "the output differs from the target's greedy output"

@@ -1,41 +1,136 @@
-"""Side-by-side benchmark of target-only decoding and speculative decoding over gRPC, in one process run.
+"""Side-by-side benchmark: specmesh target-only, speculative (draft model, adaptive or fixed k), n-gram drafting, and
+in-process Hugging Face transformers baselines, on the same prompts, models and dtype, in one run.
 
-Starts one verifier and one drafter (local subprocesses unless addresses are given), then for each prompt runs
-target-only decoding (`--draft-tokens 0`, the baseline) and each speculative mode on the SAME workers, and prints
-per-mode tokens/s, speedup over target-only (ratio of per-prompt times), acceptance rate, mean accepted length, rounds,
-and where (if anywhere) the output first diverges from target-only (expected only in bf16).
+Phase 1 starts a verifier, a model drafter and an n-gram drafter (`drafter serve --method ngram`) as local
+subprocesses (or uses the given addresses) and, prompt by prompt, runs target-only decoding (k = 0, the baseline) then
+every specmesh mode on the SAME workers. Phase 2 stops them, loads the models in-process with specmesh.models.load_model
+and runs `model.generate()` (target-only) and `model.generate(assistant_model=draft)` (HF assisted generation, HF's
+defaults) greedily on the same chat-templated prompt ids with the same max_new_tokens (`hf-ngram`:
+`prompt_lookup_num_tokens`). All decoding is greedy.
 
-    python scripts/bench.py --max-new-tokens 128 --modes 0,adaptive,4 --json bench.json
+Per mode: tokens/s, speedup over specmesh target-only (per-prompt ratio of tokens/s, geometric mean) and over HF
+target-only, acceptance rate, mean accepted length (tokens per target pass), rounds, a per-round breakdown (draft_s
+and verify_s are the coordinator's wall times of the Propose and Verify calls, RPC included; rest = everything else:
+loop, text streaming, session teardown), the first token where the output diverges from target-only, and the analytic
+speedup E / (k*c + v(k)) with E = (1 - a^(k+1)) / (1 - a), a = measured acceptance rate, k = mean draft length,
+c = draft cost per drafted token and v(k) = verify cost per round, both relative to one target-only round (steady
+state: the first round of each generation, which holds the prefill, is left out).
+
+    python scripts/bench.py --classes code,quote --limit-prompts 2 --max-new-tokens 64 --out-dir bench-out
+    python scripts/bench.py --modes target-only,adaptive,4,ngram --limit-prompts code=2,prose=1,quote=1
+
+Entry points: main(argv) -> int; or build_parser() / run(args) to embed it (e.g. as a `coordinator bench` command).
+Writes JSON, a markdown report and a PNG plot of the speedup per prompt (needs matplotlib) when asked.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
+import time
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
 
 from coordinator import Coordinator, GenerationOptions  # noqa: E402
 from coordinator.workers import LocalWorkerSpec, local_workers  # noqa: E402
 from specmesh.defaults import DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL  # noqa: E402
 
-PROMPTS = {
-    "code": [
-        "Write a Python function that checks whether a number is prime.",
-        "Write a Python function that returns the n-th Fibonacci number iteratively.",
-        "Write a JavaScript function that debounces another function.",
-        "Write a SQL query that returns the ten customers with the highest total order value.",
-    ],
-    "prose": [
-        "Explain what a hash map is to a new programmer.",
-        "Describe the water cycle in a short paragraph.",
-    ],
-}
+DEFAULT_PROMPTS = REPO / "scripts" / "bench_prompts.json"
+DEFAULT_MODES = "target-only,adaptive,4,ngram,hf-assisted,hf-target"
+BASELINE = "target-only"
+HF_BASELINE = "hf-target"
+
+
+# --------------------------------------------------------------------------
+# modes and prompts
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str  # as shown in tables
+    kind: str  # "specmesh" or "hf"
+    drafter: str | None = None  # specmesh: None (target-only), "model" or "ngram"; hf: "model", "ngram" or None
+    k: int | None = None  # specmesh: draft length, None = adaptive
+
+
+def parse_mode(text: str) -> Mode:
+    t = text.strip().lower()
+    if t in ("0", "target-only", "target"):
+        return Mode(BASELINE, "specmesh", None, 0)
+    if t == "adaptive":
+        return Mode("adaptive", "specmesh", "model", None)
+    if t.isdigit():
+        return Mode(f"k={int(t)}", "specmesh", "model", int(t))
+    if t.startswith("k=") and t[2:].isdigit():
+        return Mode(f"k={int(t[2:])}", "specmesh", "model", int(t[2:]))
+    if t == "ngram":
+        return Mode("ngram", "specmesh", "ngram", None)
+    if t.startswith(("ngram:", "ngram=")) and t[6:].isdigit():
+        return Mode(f"ngram k={int(t[6:])}", "specmesh", "ngram", int(t[6:]))
+    if t in ("hf-target", "hf"):
+        return Mode(HF_BASELINE, "hf")
+    if t == "hf-assisted":
+        return Mode("hf-assisted", "hf", "model")
+    if t in ("hf-ngram", "hf-prompt-lookup"):
+        return Mode("hf-ngram", "hf", "ngram")
+    raise ValueError(f"unknown mode {text!r}: expected target-only|0, adaptive, K, ngram, ngram:K, hf-target, "
+                     "hf-assisted or hf-ngram")
+
+
+def parse_modes(text: str) -> list[Mode]:
+    modes: list[Mode] = []
+    for part in text.split(","):
+        if part.strip():
+            mode = parse_mode(part)
+            if mode.k is not None and mode.kind == "specmesh" and not 0 <= mode.k <= 32:
+                raise ValueError(f"draft length must be in 0..32, got {mode.k}")
+            if mode not in modes:
+                modes.append(mode)
+    if parse_mode(BASELINE) not in modes:  # every speedup is relative to it
+        modes.insert(0, parse_mode(BASELINE))
+    return modes
+
+
+def load_prompts(path: Path, classes: list[str], limit: str | None, ids: list[str] | None) -> list[dict]:
+    prompts = json.loads(path.read_text())["prompts"]
+    known = sorted({p["class"] for p in prompts})
+    for c in classes:
+        if c not in known:
+            raise ValueError(f"unknown prompt class {c!r}; {path.name} has {', '.join(known)}")
+    if ids:
+        missing = set(ids) - {p["id"] for p in prompts}
+        if missing:
+            raise ValueError(f"unknown prompt ids: {', '.join(sorted(missing))}")
+        prompts = [p for p in prompts if p["id"] in ids]
+    per_class: dict[str, int] = {}
+    if limit:
+        if "=" in limit:
+            for item in limit.split(","):
+                name, _, n = item.partition("=")
+                per_class[name.strip()] = int(n)
+        else:
+            per_class = {c: int(limit) for c in classes}
+    selected = []
+    for c in classes:
+        of_class = [p for p in prompts if p["class"] == c]
+        selected += of_class[:per_class[c]] if c in per_class else of_class
+    if not selected:
+        raise ValueError("no prompts selected")
+    return selected
+
+
+# --------------------------------------------------------------------------
+# phase 1: specmesh over gRPC
+# --------------------------------------------------------------------------
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
@@ -45,72 +140,438 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--verifier"), parser.add_argument("--drafter")
-    parser.add_argument("--target-model", default=DEFAULT_TARGET_MODEL)
-    parser.add_argument("--draft-model", default=DEFAULT_DRAFT_MODEL)
-    parser.add_argument("--dtype", default="auto"), parser.add_argument("--device", default="auto")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--modes", default="0,adaptive,4", help="comma list: 0 (target-only), adaptive, or a k")
-    parser.add_argument("--classes", default="code,prose")
-    parser.add_argument("--json", dest="json_path", help="also write the results as JSON here")
-    args = parser.parse_args()
+def specmesh_row(result, prompt: dict, mode: Mode) -> dict:
+    s = result.stats
+    steady = result.rounds[1:]  # round 1 carries the prompt's prefill on both workers
+    return {
+        "prompt_id": prompt["id"], "class": prompt["class"], "mode": mode.name, "kind": mode.kind,
+        "new_tokens": s["new_tokens"], "elapsed_s": s["elapsed_s"], "tokens_per_s": s["tokens_per_s"],
+        "rounds": s["rounds"], "drafted_tokens": s["drafted_tokens"], "accepted_tokens": s["accepted_tokens"],
+        "acceptance_rate": s["acceptance_rate"], "mean_accepted_length": s["mean_accepted_length"],
+        "draft_s": s["draft_s"], "verify_s": s["verify_s"],
+        "rest_s": round(s["elapsed_s"] - s["draft_s"] - s["verify_s"], 4),
+        "first_round": ({"drafted": result.rounds[0].drafted, "draft_s": round(result.rounds[0].draft_s, 4),
+                         "verify_s": round(result.rounds[0].verify_s, 4)} if result.rounds else None),
+        "steady": {"rounds": len(steady), "drafted": sum(r.drafted for r in steady),
+                   "accepted": sum(r.accepted for r in steady),
+                   "draft_s": round(sum(r.draft_s for r in steady), 4),
+                   "verify_s": round(sum(r.verify_s for r in steady), 4)},
+        "degraded_rounds": s["degraded_rounds"], "retries": s["retries"],
+        "finish_reason": result.finish_reason, "token_ids": result.token_ids, "text": result.text,
+    }
 
-    modes = [m.strip() for m in args.modes.split(",")]
-    if "0" not in modes:
-        modes.insert(0, "0")
-    prompts = [(c, p) for c in args.classes.split(",") for p in PROMPTS[c]]
-    specs = []
-    if not args.verifier:
-        specs.append(LocalWorkerSpec("verifier", args.target_model, args.device, args.dtype))
-    if not args.drafter:
-        specs.append(LocalWorkerSpec("drafter", args.draft_model, args.device, args.dtype))
-    rows = []
+
+def best_of(repeats: int, run):
+    """The fastest of `repeats` runs (the outputs are identical: greedy); shared CPUs make single timings noisy."""
+    best = None
+    for _ in range(repeats):
+        r = run()
+        if best is None or r["elapsed_s"] < best["elapsed_s"]:
+            best = r
+    return best
+
+
+def run_specmesh(args, modes: list[Mode], prompts: list[dict], log) -> tuple[dict, list[dict], dict]:
+    """Returns (info, rows, prompt ids by prompt id)."""
+    need_model = any(m.drafter == "model" for m in modes if m.kind == "specmesh")
+    need_ngram = any(m.drafter == "ngram" for m in modes if m.kind == "specmesh")
+    rows: list[dict] = []
     with ExitStack() as stack:
-        addresses = stack.enter_context(local_workers(specs)) if specs else {}
-        c = stack.enter_context(Coordinator(verifier=args.verifier or addresses["verifier"],
-                                            drafter=args.drafter or addresses["drafter"]))
-        c.generate(prompts[0][1], GenerationOptions(max_new_tokens=8))  # warm both workers' caches and allocators
-        for cls, prompt in prompts:
-            baseline = None
-            for mode in modes:
-                k = None if mode == "adaptive" else int(mode)
-                r = c.generate(prompt, GenerationOptions(max_new_tokens=args.max_new_tokens, draft_tokens=k))
-                if mode == "0":
-                    baseline = r
-                rows.append({"class": cls, "prompt": prompt, "mode": mode, **r.stats,
-                             "speedup": baseline.stats["elapsed_s"] / r.stats["elapsed_s"],
-                             "diverges_at": first_divergence(baseline.token_ids, r.token_ids)})
-                print(f"{cls:5s} {mode:>8s} {r.stats['tokens_per_s']:7.2f} tok/s  speedup "
-                      f"{rows[-1]['speedup']:.2f}x  accept {r.stats['acceptance_rate']}  "
-                      f"diverges_at {rows[-1]['diverges_at']}  | {prompt[:40]}", file=sys.stderr)
-        info = {"target": c.verifier_info.model_name, "draft": c.drafter_info.model_name,
-                "dtype": c.verifier_info.dtype, "device": c.verifier_info.device}
+        common = dict(device=args.device, dtype=args.dtype, threads=args.threads)
+        specs = []
+        if not args.verifier:
+            specs.append(LocalWorkerSpec("verifier", args.target_model, **common))
+        if need_model and not args.drafter:
+            specs.append(LocalWorkerSpec("drafter", args.draft_model, **common))
+        addresses = dict(stack.enter_context(local_workers(specs))) if specs else {}
+        verifier = args.verifier or addresses["verifier"]
+        drafter = args.drafter or addresses.get("drafter")
+        ngram_drafter = args.ngram_drafter
+        if need_ngram and not ngram_drafter:
+            extra = ["--method", "ngram", "--ngram-max", str(args.ngram_max), "--ngram-min", str(args.ngram_min)]
+            # The n-gram drafter reads the target's tokenizer only: no weights, nothing on device/dtype.
+            spec = LocalWorkerSpec("drafter", args.target_model, "cpu", "auto", extra_args=tuple(extra))
+            ngram_drafter = stack.enter_context(local_workers([spec]))["drafter"]
 
-    print(f"\n{info['draft']} -> {info['target']}, {info['dtype']} on {info['device']}, "
-          f"{args.max_new_tokens} new tokens at most\n")
-    print("| class | mode | tokens/s | speedup vs target-only | acceptance rate | mean accepted length | rounds |"
-          " first divergence |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for cls in [*args.classes.split(","), "all"]:
+        base = stack.enter_context(Coordinator(verifier=verifier))  # loads the verifier's tokenizer
+        tokenizer = base.tokenizer
+        coordinators = {None: base}
+        if need_model:
+            coordinators["model"] = stack.enter_context(Coordinator(verifier=verifier, drafter=drafter,
+                                                                    tokenizer=tokenizer))
+        if need_ngram:
+            coordinators["ngram"] = stack.enter_context(Coordinator(verifier=verifier, drafter=ngram_drafter,
+                                                                    tokenizer=tokenizer))
+        info = {"target": base.verifier_info.model_name, "dtype": base.verifier_info.dtype,
+                "device": base.verifier_info.device, "eos_token_ids": sorted(base.verifier_info.eos_token_ids),
+                "draft": coordinators["model"].drafter_info.model_name if need_model else None,
+                "ngram": {"min": args.ngram_min, "max": args.ngram_max} if need_ngram else None}
+
+        prompt_ids = {p["id"]: base.encode_prompt(p["prompt"], chat=not args.no_chat) for p in prompts}
+        warm = prompt_ids[prompts[0]["id"]]
+        for name, c in coordinators.items():  # warm caches, allocators and channels of every worker
+            c.generate(list(warm), GenerationOptions(max_new_tokens=8, draft_tokens=0 if name is None else None))
+
+        for prompt in prompts:
+            ids = prompt_ids[prompt["id"]]
+            for mode in modes:
+                if mode.kind != "specmesh":
+                    continue
+                c = coordinators[mode.drafter]
+                options = GenerationOptions(max_new_tokens=args.max_new_tokens, draft_tokens=mode.k)
+                row = best_of(args.repeats, lambda: specmesh_row(c.generate(list(ids), options), prompt, mode))
+                rows.append(row)
+                log(row)
+    return info, rows, prompt_ids
+
+
+# --------------------------------------------------------------------------
+# phase 2: Hugging Face transformers in-process
+# --------------------------------------------------------------------------
+
+
+class ForwardCounter:
+    """Counts forward passes of a model (a target pass = one round of assisted generation; a draft pass = a token)."""
+
+    def __init__(self, model) -> None:
+        self.count = 0
+        self._handle = model.register_forward_hook(self._hook)
+
+    def _hook(self, *_) -> None:
+        self.count += 1
+
+    def close(self) -> None:
+        self._handle.remove()
+
+
+def run_hf(args, modes: list[Mode], prompts: list[dict], prompt_ids: dict, eos_ids: list[int], log) -> tuple[dict, list[dict]]:
+    import torch
+    from transformers import GenerationConfig
+
+    from specmesh.models import load_model
+
+    hf_modes = [m for m in modes if m.kind == "hf"]
+    if not hf_modes:
+        return {}, []
+    target = load_model(args.target_model, device=args.device, dtype=args.dtype, threads=args.threads,
+                        progress=False)
+    draft = (load_model(args.draft_model, device=args.device, dtype=args.dtype, threads=args.threads,
+                        progress=False) if any(m.drafter == "model" for m in hf_modes) else None)
+    tok = target.tokenizer
+    pad = tok.pad_token_id if tok.pad_token_id is not None else eos_ids[0]
+
+    def config(max_new: int, mode: Mode) -> GenerationConfig:
+        extra = {}
+        if mode.drafter == "ngram":
+            extra = dict(prompt_lookup_num_tokens=args.hf_prompt_lookup_tokens, max_matching_ngram_size=args.ngram_max)
+        return GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=list(eos_ids),
+                                pad_token_id=pad, **extra)
+
+    def generate(ids: list[int], max_new: int, mode: Mode) -> tuple[list[int], float, int, int]:
+        input_ids = torch.tensor([ids], device=target.model.device)
+        counters = [ForwardCounter(target.model)] + ([ForwardCounter(draft.model)] if mode.drafter == "model" else [])
+        kwargs = {"assistant_model": draft.model} if mode.drafter == "model" else {}
+        try:
+            started = time.perf_counter()
+            with torch.inference_mode():
+                out = target.model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                                            generation_config=config(max_new, mode), **kwargs)
+            elapsed = time.perf_counter() - started
+        finally:
+            for counter in counters:
+                counter.close()
+        new = out[0, len(ids):].tolist()
+        return new, elapsed, counters[0].count, counters[1].count if len(counters) > 1 else 0
+
+    warm = prompt_ids[prompts[0]["id"]]
+    for mode in hf_modes:
+        generate(warm, 8, mode)
+
+    rows = []
+    for prompt in prompts:
+        ids = prompt_ids[prompt["id"]]
+        for mode in hf_modes:
+            def once(mode=mode, ids=ids, prompt=prompt) -> dict:
+                new, elapsed, target_passes, draft_passes = generate(ids, args.max_new_tokens, mode)
+                # Each target pass commits its accepted drafts plus one token of its own.
+                accepted = len(new) - target_passes if mode.drafter else 0
+                drafted = draft_passes if mode.drafter == "model" else None
+                return {
+                    "prompt_id": prompt["id"], "class": prompt["class"], "mode": mode.name, "kind": "hf",
+                    "new_tokens": len(new), "elapsed_s": round(elapsed, 4),
+                    "tokens_per_s": round(len(new) / elapsed, 3), "rounds": target_passes,
+                    "drafted_tokens": drafted, "accepted_tokens": accepted if mode.drafter else None,
+                    "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
+                    "mean_accepted_length": round(len(new) / target_passes, 4) if target_passes else None,
+                    "finish_reason": "eos" if new and new[-1] in eos_ids else "length",
+                    "token_ids": new, "text": tok.decode(new, skip_special_tokens=True),
+                }
+            row = best_of(args.repeats, once)
+            rows.append(row)
+            log(row)
+    hf_info = {"transformers_assisted_defaults": {"num_assistant_tokens": 20, "num_assistant_tokens_schedule":
+                                                  "constant", "assistant_confidence_threshold": 0.4}
+               if draft is not None else None,
+               "hf_prompt_lookup_num_tokens": args.hf_prompt_lookup_tokens
+               if any(m.drafter == "ngram" for m in hf_modes) else None}
+    return hf_info, rows
+
+
+# --------------------------------------------------------------------------
+# analysis
+# --------------------------------------------------------------------------
+
+
+def add_relative(rows: list[dict]) -> None:
+    """Per-row speedups (tokens/s ratios on the same prompt) and divergence from specmesh target-only."""
+    by_prompt: dict[tuple[str, str], dict] = {(r["prompt_id"], r["mode"]): r for r in rows}
+    for r in rows:
+        base = by_prompt.get((r["prompt_id"], BASELINE))
+        hf = by_prompt.get((r["prompt_id"], HF_BASELINE))
+        r["speedup"] = round(r["tokens_per_s"] / base["tokens_per_s"], 4) if base else None
+        r["speedup_vs_hf_target"] = round(r["tokens_per_s"] / hf["tokens_per_s"], 4) if hf else None
+        r["diverges_at"] = first_divergence(base["token_ids"], r["token_ids"]) if base else None
+
+
+def expected_tokens_per_round(a: float, k: float) -> float:
+    """E = (1 - a^(k+1)) / (1 - a): tokens per round when each of k drafts is accepted with probability a."""
+    if a >= 1.0:
+        return k + 1.0
+    return (1.0 - a ** (k + 1.0)) / (1.0 - a)
+
+
+def summarize(rows: list[dict], modes: list[Mode], classes: list[str]) -> list[dict]:
+    out = []
+    for cls in [*classes, "all"]:
+        base_sel = [r for r in rows if r["mode"] == BASELINE and (cls == "all" or r["class"] == cls)]
+        base_rounds = sum(r["steady"]["rounds"] for r in base_sel)
+        # One target-only round (verify call, steady state): the unit of every cost below.
+        t_round = sum(r["steady"]["verify_s"] for r in base_sel) / base_rounds if base_rounds else None
         for mode in modes:
-            sel = [r for r in rows if r["mode"] == mode and (cls == "all" or r["class"] == cls)]
+            sel = [r for r in rows if r["mode"] == mode.name and (cls == "all" or r["class"] == cls)]
             if not sel:
                 continue
             tokens = sum(r["new_tokens"] for r in sel)
             seconds = sum(r["elapsed_s"] for r in sel)
-            drafted = sum(r["drafted_tokens"] for r in sel)
-            accepted = sum(r["accepted_tokens"] for r in sel)
             rounds = sum(r["rounds"] for r in sel)
+            drafted = sum(r["drafted_tokens"] or 0 for r in sel)
+            accepted = sum(r["accepted_tokens"] or 0 for r in sel)
+            speedups = [r["speedup"] for r in sel if r["speedup"]]
+            vs_hf = [r["speedup_vs_hf_target"] for r in sel if r["speedup_vs_hf_target"]]
             div = [r["diverges_at"] for r in sel if r["diverges_at"] is not None]
-            print(f"| {cls} | {'target-only' if mode == '0' else 'k=' + mode} | {tokens / seconds:.2f} | "
-                  f"{statistics.geometric_mean(r['speedup'] for r in sel):.2f}x | "
-                  f"{(accepted / drafted if drafted else float('nan')):.1%} | {tokens / rounds:.2f} | {rounds} | "
-                  f"{(f'{len(div)}/{len(sel)} prompts, earliest token {min(div)}' if div else 'none')} |")
+            s = {
+                "class": cls, "mode": mode.name, "kind": mode.kind, "prompts": len(sel), "new_tokens": tokens,
+                "tokens_per_s": round(tokens / seconds, 3) if seconds else None,
+                "speedup": round(statistics.geometric_mean(speedups), 4) if speedups else None,
+                "speedup_vs_hf_target": round(statistics.geometric_mean(vs_hf), 4) if vs_hf else None,
+                "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
+                "mean_accepted_length": round(tokens / rounds, 4) if rounds else None,
+                "rounds": rounds,
+                "diverged_prompts": len(div), "earliest_divergence": min(div) if div else None,
+            }
+            if mode.kind == "specmesh":
+                s["draft_ms_per_round"] = round(1000 * sum(r["draft_s"] for r in sel) / rounds, 2)
+                s["verify_ms_per_round"] = round(1000 * sum(r["verify_s"] for r in sel) / rounds, 2)
+                s["rest_ms_per_round"] = round(1000 * sum(r["rest_s"] for r in sel) / rounds, 2)
+                s["prefill_round_ms"] = round(1000 * statistics.mean(
+                    r["first_round"]["draft_s"] + r["first_round"]["verify_s"] for r in sel if r["first_round"]), 2)
+                s.update(analytic_bound(sel, t_round, s["acceptance_rate"]))
+            out.append(s)
+    return out
+
+
+def analytic_bound(sel: list[dict], t_round: float | None, a: float | None) -> dict:
+    steady_rounds = sum(r["steady"]["rounds"] for r in sel)
+    steady_drafted = sum(r["steady"]["drafted"] for r in sel)
+    if not t_round or not steady_rounds:
+        return {}
+    v = sum(r["steady"]["verify_s"] for r in sel) / steady_rounds / t_round
+    result = {"target_round_ms": round(1000 * t_round, 2), "v_k": round(v, 4)}
+    if not steady_drafted or a is None:  # target-only: v(0) ~ 1 by definition
+        return result
+    k = steady_drafted / steady_rounds
+    c = sum(r["steady"]["draft_s"] for r in sel) / steady_drafted / t_round
+    e = expected_tokens_per_round(a, k)
+    result.update({"k_mean": round(k, 3), "c": round(c, 4), "expected_tokens_per_round": round(e, 4),
+                   "bound_speedup": round(e / (k * c + v), 4)})
+    return result
+
+
+# --------------------------------------------------------------------------
+# reports
+# --------------------------------------------------------------------------
+
+
+def _f(value, fmt: str, missing: str = "–") -> str:
+    return missing if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, fmt)
+
+
+def markdown(report: dict) -> str:
+    info, summary, rows = report["info"], report["summary"], report["rows"]
+    lines = [f"**{info.get('draft') or '(no draft model)'} → {info['target']}**, {info['dtype']} on {info['device']}, "
+             f"greedy, ≤ {report['config']['max_new_tokens']} new tokens, {len(report['prompts'])} prompts "
+             f"({', '.join(f'{n} {c}' for c, n in report['prompt_counts'].items())}), best of "
+             f"{report['config']['repeats']}; n-gram drafter n = {report['config']['ngram_min']}.."
+             f"{report['config']['ngram_max']}.", ""]
+    lines += ["| class | mode | tokens/s | speedup vs target-only | vs HF target-only | acceptance rate | "
+              "mean accepted length | rounds | first divergence |",
+              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for s in summary:
+        div = f"{s['diverged_prompts']}/{s['prompts']} prompts, earliest token {s['earliest_divergence']}" \
+            if s["diverged_prompts"] else "none"
+        lines.append(f"| {s['class']} | {s['mode']} | {_f(s['tokens_per_s'], '.2f')} | {_f(s['speedup'], '.2f')}x | "
+                     f"{_f(s['speedup_vs_hf_target'], '.2f')}x | {_f(s['acceptance_rate'], '.1%')} | "
+                     f"{_f(s['mean_accepted_length'], '.2f')} | {s['rounds']} | {div} |")
+    lines += ["", "Per-round breakdown (ms per round, all rounds; draft/verify = coordinator-side wall time of the RPC) "
+              "and the analytic speedup E / (k·c + v(k)) next to the measured one (steady-state rounds):", "",
+              "| class | mode | draft ms | verify ms | rest ms | prefill round ms | mean k | a | c | v(k) | "
+              "E predicted | E measured | speedup bound | measured |",
+              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for s in summary:
+        if s["kind"] != "specmesh":
+            continue
+        lines.append(
+            f"| {s['class']} | {s['mode']} | {_f(s['draft_ms_per_round'], '.1f')} | "
+            f"{_f(s['verify_ms_per_round'], '.1f')} | {_f(s['rest_ms_per_round'], '.1f')} | "
+            f"{_f(s['prefill_round_ms'], '.0f')} | {_f(s.get('k_mean'), '.2f')} | {_f(s['acceptance_rate'], '.2f')} | "
+            f"{_f(s.get('c'), '.3f')} | {_f(s.get('v_k'), '.2f')} | {_f(s.get('expected_tokens_per_round'), '.2f')} | "
+            f"{_f(s['mean_accepted_length'], '.2f')} | {_f(s.get('bound_speedup'), '.2f')}x | "
+            f"{_f(s['speedup'], '.2f')}x |")
+    modes = [m for m in report["config"]["modes"] if m != BASELINE]
+    lines += ["", "Speedup over specmesh target-only per prompt:", "",
+              "| prompt | class | " + " | ".join(modes) + " |", "| --- | --- |" + " ---: |" * len(modes)]
+    by = {(r["prompt_id"], r["mode"]): r for r in rows}
+    for p in report["prompts"]:
+        cells = [_f(by[(p["id"], m)]["speedup"], ".2f") + "x" if (p["id"], m) in by else "–" for m in modes]
+        lines.append(f"| {p['id']} | {p['class']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict, path: Path) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("bench: matplotlib is not installed: no plot (pip install matplotlib)", file=sys.stderr)
+        return False
+    modes = [m for m in report["config"]["modes"] if m != BASELINE]
+    prompts = report["prompts"]
+    by = {(r["prompt_id"], r["mode"]): r for r in report["rows"]}
+    width = 0.8 / max(len(modes), 1)
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(prompts) * max(1, len(modes)) * 0.35 + 2), 4.5))
+    for i, mode in enumerate(modes):
+        xs = [j + (i - (len(modes) - 1) / 2) * width for j in range(len(prompts))]
+        ys = [(by.get((p["id"], mode)) or {}).get("speedup") or 0.0 for p in prompts]
+        ax.bar(xs, ys, width, label=mode)
+    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    ax.set_xticks(range(len(prompts)))
+    ax.set_xticklabels([p["id"] for p in prompts], rotation=45, ha="right", fontsize=8)
+    ax.set_ylabel("speedup over specmesh target-only (tokens/s ratio)")
+    info = report["info"]
+    ax.set_title(f"{info.get('draft') or ''} → {info['target']} ({info['dtype']}, {info['device']}), "
+                 f"{report['config']['max_new_tokens']} new tokens", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+# --------------------------------------------------------------------------
+# entry points
+# --------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return parser
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--verifier", help="use this running verifier (default: start one)")
+    parser.add_argument("--drafter", help="use this running model drafter (default: start one)")
+    parser.add_argument("--ngram-drafter", help="use this running `drafter serve --method ngram` (default: start one)")
+    parser.add_argument("--target-model", default=DEFAULT_TARGET_MODEL)
+    parser.add_argument("--draft-model", default=DEFAULT_DRAFT_MODEL)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads, workers and HF alike")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--modes", default=DEFAULT_MODES,
+                        help="comma list of target-only (or 0), adaptive, K (fixed draft length), ngram, ngram:K, "
+                        f"hf-target, hf-assisted, hf-ngram; target-only is always run (default: {DEFAULT_MODES})")
+    parser.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS, help="prompt set (JSON)")
+    parser.add_argument("--classes", default="code,prose,quote", help="prompt classes to run (default: all)")
+    parser.add_argument("--limit-prompts", default=None,
+                        help="N (first N of every class) or per class, e.g. code=2,prose=1,quote=1")
+    parser.add_argument("--prompt-ids", default=None, help="comma list of prompt ids to run")
+    parser.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    parser.add_argument("--repeats", type=int, default=1, help="runs per prompt and mode; the fastest counts")
+    parser.add_argument("--ngram-min", type=int, default=1, help="n-gram drafter: shortest n-gram matched")
+    parser.add_argument("--ngram-max", type=int, default=3, help="n-gram drafter (and hf-ngram): longest n-gram")
+    parser.add_argument("--hf-prompt-lookup-tokens", type=int, default=10,
+                        help="hf-ngram: prompt_lookup_num_tokens (default: 10, HF's documented example)")
+    parser.add_argument("--out-dir", type=Path, default=None, help="write bench.json, bench.md and bench.png here")
+    parser.add_argument("--json", dest="json_path", type=Path, default=None, help="write the JSON report here")
+    parser.add_argument("--markdown", type=Path, default=None, help="write the markdown report here")
+    parser.add_argument("--plot", type=Path, default=None, help="write the PNG plot here")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        modes = parse_modes(args.modes)
+        classes = [c.strip() for c in args.classes.split(",") if c.strip()]
+        prompts = load_prompts(args.prompts, classes, args.limit_prompts,
+                               [i.strip() for i in args.prompt_ids.split(",")] if args.prompt_ids else None)
+        if args.max_new_tokens < 1 or args.repeats < 1:
+            raise ValueError("--max-new-tokens and --repeats must be >= 1")
+    except (ValueError, OSError) as e:
+        print(f"bench: error: {e}", file=sys.stderr)
+        return 2
+    if args.out_dir:
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        args.json_path = args.json_path or args.out_dir / "bench.json"
+        args.markdown = args.markdown or args.out_dir / "bench.md"
+        args.plot = args.plot or args.out_dir / "bench.png"
+
+    def log(row: dict) -> None:
+        acc = row.get("acceptance_rate")
+        print(f"{row['class']:5s} {row['mode']:>12s} {row['tokens_per_s']:7.2f} tok/s {row['new_tokens']:4d} tok "
+              f"{row['rounds']:4d} rounds  accept {'–' if acc is None else f'{acc:.0%}':>4s}  | {row['prompt_id']}",
+              file=sys.stderr, flush=True)
+
+    started = time.time()
+    info, rows, prompt_ids = run_specmesh(args, modes, prompts, log)
+    # HF stops at the same end-of-sequence ids as the coordinator: the verifier's.
+    hf_info, hf_rows = run_hf(args, modes, prompts, prompt_ids, info["eos_token_ids"], log)
+    rows += hf_rows
+    add_relative(rows)
+    summary = summarize(rows, modes, classes)
+    report = {
+        "info": {**info, **hf_info},
+        "config": {"max_new_tokens": args.max_new_tokens, "modes": [m.name for m in modes], "classes": classes,
+                   "repeats": args.repeats, "ngram_min": args.ngram_min, "ngram_max": args.ngram_max,
+                   "threads": args.threads, "chat": not args.no_chat, "wall_s": round(time.time() - started, 1)},
+        "prompts": [{**p, "prompt_tokens": len(prompt_ids[p["id"]])} for p in prompts],
+        "prompt_counts": {c: sum(p["class"] == c for p in prompts) for c in classes},
+        "summary": summary,
+        "rows": rows,
+    }
+    text = markdown(report)
+    print("\n" + text)
     if args.json_path:
-        Path(args.json_path).write_text(json.dumps({"info": info, "rows": rows}, indent=1))
+        args.json_path.write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n")
+    if args.markdown:
+        args.markdown.write_text(text)
+    if args.plot and plot(report, args.plot):
+        print(f"plot: {args.plot}", file=sys.stderr)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

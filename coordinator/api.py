@@ -28,6 +28,9 @@ from specmesh.security import ClientSecurity, load_token
 from specmesh.validation import MAX_SEED
 
 
+MAX_NEW_TOKENS = 1 << 20  # far beyond any model's context; the verifier's context limit applies first
+
+
 class TokenizerMismatch(WorkerError):
     """Drafter and verifier tokenize differently: speculation would silently corrupt the output."""
 
@@ -52,8 +55,8 @@ class GenerationOptions:
     chat: bool = True  # apply the model's chat template when it has one
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS:
+            raise ValueError(f"max_new_tokens must be in 1..{MAX_NEW_TOKENS}, got {self.max_new_tokens}")
         if self.draft_tokens is not None and not 0 <= self.draft_tokens <= 64:
             raise ValueError(f"draft_tokens must be in 0..64, got {self.draft_tokens}")
         if self.seed is not None and not 0 <= self.seed <= MAX_SEED:

@@ -62,6 +62,8 @@ class Slot:
         self.up = threading.Event()  # a process is running and was SERVING when last checked
         self.restarter: threading.Thread | None = None
         self.restarts = 0
+        self.restart_s: list[float] = []  # signal to SERVING again
+        self.restart_deadline = 0.0
         self.restart_failures = 0
         self.lock = threading.Lock()
 
@@ -85,6 +87,8 @@ class Slot:
             self.up.clear()
             process = self.worker.process
             process.send_signal(signum)
+            self.signalled_at = time.monotonic()
+            self.restart_deadline = deadline
             self.restarter = threading.Thread(target=self._restart, args=(process, restart_delay_s, grace_s, deadline),
                                               name=f"restart-{self.name}", daemon=True)
             self.restarter.start()
@@ -105,6 +109,7 @@ class Slot:
                 self.start(wait=False)
                 self.worker.wait_serving(timeout_s=max(1.0, deadline - time.monotonic()))
                 self.restarts += 1
+                self.restart_s.append(time.monotonic() - self.signalled_at)
                 self.up.set()
                 return
             except WorkerError as e:
@@ -163,7 +168,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--generations", type=int, default=30)
     parser.add_argument("--seed", type=int, default=0, help="seeds the fault schedule (victims, signals, points)")
-    parser.add_argument("--kill-probability", type=float, default=0.7,
+    parser.add_argument("--kill-probability", type=float, default=0.5,
                         help="chance that a generation gets a fault; each further fault (up to --max-faults) "
                              "follows with the same chance")
     parser.add_argument("--max-faults", type=int, default=2, help="faults per generation at most")
@@ -187,7 +192,9 @@ def main() -> int:
     parser.add_argument("--retry-budget", type=float, default=30.0)
     parser.add_argument("--breaker-reset", type=float, default=1.0)
     parser.add_argument("--overlap", action="store_true",
-                        help="start the next generation without waiting for restarts to finish (faults pile up)")
+                        help="start a faulted generation without waiting for earlier restarts (faults pile up)")
+    parser.add_argument("--restart-timeout", type=float, default=300.0,
+                        help="seconds a killed worker has to be SERVING again")
     parser.add_argument("--time-limit", type=float, default=900.0,
                         help="no new generation starts after this many seconds of soak")
     parser.add_argument("--no-model-check", action="store_true",
@@ -234,7 +241,7 @@ def main() -> int:
         finally:
             for slot in slots:
                 slot.stop()
-        restarts = sum(s.restarts for s in slots)
+        restarts = [t for s in slots for t in s.restart_s]
         restart_failures = sum(s.restart_failures for s in slots)
     return report(args, outcomes, fault_counts, restarts, restart_failures, time.monotonic() - started)
 
@@ -284,7 +291,12 @@ def soak(c: Coordinator, args, rng: random.Random, slots: list[Slot], verifiers:
                 ("timer", rng.uniform(0.0, ref.wall_s))
             plan.append({"signal": signal.SIGKILL if rng.random() < args.sigkill_share else signal.SIGTERM,
                          "pinned": rng.random() < args.pinned_bias, "pick": rng.random(), "point": point})
-        deadline = time.monotonic() + args.retry_budget * 2 + 120  # restarts must be done by then
+        if plan and not args.overlap:
+            # A faulted generation starts from a full fleet (bounded wait): its faults are the only ones it sees.
+            # Fault-free generations run while earlier restarts are still under way.
+            for slot in slots:
+                slot.up.wait(timeout=max(0.0, slot.restart_deadline - time.monotonic()))
+        deadline = time.monotonic() + args.restart_timeout  # a killed worker must be back by then
         lock = threading.Lock()
 
         def inject(fault: dict) -> None:
@@ -367,24 +379,22 @@ def soak(c: Coordinator, args, rng: random.Random, slots: list[Slot], verifiers:
             f"failovers={s.get('failovers', 0)} degraded={s.get('degraded_rounds', 0)} "
             f"resyncs={s.get('resyncs', 0)} faults={outcome.faults or '-'}"
             + (f" | {outcome.detail}" if outcome.detail else ""))
-        if not args.overlap:
-            # Wait (bounded) for the fleet to recover, so each generation starts from a full fleet and one
-            # generation's restarts do not spill into the next one's timing.
-            for slot in slots:
-                slot.up.wait(timeout=max(0.0, deadline - time.monotonic()))
 
 
-def report(args, outcomes: list[Outcome], fault_counts: dict[str, int], restarts: int, restart_failures: int,
-           total_s: float) -> int:
+def report(args, outcomes: list[Outcome], fault_counts: dict[str, int], restart_s: list[float],
+           restart_failures: int, total_s: float) -> int:
+    restarts = len(restart_s)
     def count(status: str) -> int:
         return sum(o.status == status for o in outcomes)
 
-    faulted = [o for o in outcomes if o.status == "ok" and any(not f.startswith(("sigkill-skipped", "sigterm-skipped"))
-                                                              for f in o.faults)]
-    failed_over = [o for o in faulted if o.stats.get("failovers")]
+    faulted = [o for o in outcomes if o.status == "ok" and any("skipped" not in f for f in o.faults)]
+    # A failover proper: the session moved while another verifier was up. When every verifier was hit in one
+    # generation it waited for a restart instead (an outage, reported apart).
+    outage = [o for o in faulted if sum("-verifier" in f for f in o.faults) >= args.verifiers]
+    failed_over = [o for o in faulted if o.stats.get("failovers") and o not in outage]
     added = [o.added_s for o in faulted]
     added_failover = [o.added_s for o in failed_over]
-    rounds = [o.failover_round_s for o in outcomes if o.failover_round_s is not None]
+    rounds = [o.failover_round_s for o in failed_over if o.failover_round_s is not None]
     clean = [o.added_s for o in outcomes if o.status == "ok" and not o.faults]
     summary = {
         "generations": len(outcomes),
@@ -392,6 +402,8 @@ def report(args, outcomes: list[Outcome], fault_counts: dict[str, int], restarts
         "faults_injected": sum(fault_counts.values()),
         "faults_by_kind": dict(sorted(fault_counts.items())),
         "restarts": restarts,
+        "restart_to_serving_p50_s": percentile(restart_s, 50),
+        "restart_to_serving_max_s": round(max(restart_s), 2) if restart_s else None,
         "restart_failures": restart_failures,
         "mismatches": count("mismatch"),
         "lost_tokens": sum(o.lost for o in outcomes),
@@ -399,6 +411,8 @@ def report(args, outcomes: list[Outcome], fault_counts: dict[str, int], restarts
         "failed_cleanly": count("failed-cleanly"),
         "failed_uncleanly": count("unclean"),
         "generations_with_failover": len(failed_over),
+        "generations_with_every_verifier_down": len(outage),
+        "added_latency_outage_max_s": round(max(o.added_s for o in outage), 3) if outage else None,
         "retries": sum(o.stats.get("retries", 0) for o in outcomes),
         "failovers": sum(o.stats.get("failovers", 0) for o in outcomes),
         "degraded_rounds": sum(o.stats.get("degraded_rounds", 0) for o in outcomes),
@@ -423,6 +437,8 @@ def report(args, outcomes: list[Outcome], fault_counts: dict[str, int], restarts
     print(f"failed cleanly           {summary['failed_cleanly']} (uncleanly: {summary['failed_uncleanly']})")
     print(f"retries/failovers        {summary['retries']}/{summary['failovers']} "
           f"(degraded rounds {summary['degraded_rounds']}, resyncs {summary['resyncs']})")
+    print(f"every verifier down      {len(outage)} generations, waited for a restart: at most "
+          f"{summary['added_latency_outage_max_s']} s added")
     print(f"latency a failover adds  p50 {summary['added_latency_failover_p50_s']} s, "
           f"p99 {summary['added_latency_failover_p99_s']} s over the fault-free wall time "
           f"({len(added_failover)} generations); the failover round itself p50 "

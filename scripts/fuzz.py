@@ -65,14 +65,17 @@ def main() -> int:
 
         fuzz = settings(max_examples=args.examples, deadline=None, database=None, derandomize=False,
                         suppress_health_check=list(HealthCheck))
+        def fuzzer(kind: str, strategy, method):
+            @fuzz
+            @given(request=strategy)
+            def run(request) -> None:
+                record(kind, call(method, request, args.timeout), request)
+            return run
+
         for kind, strategy, method in (("Verify", VERIFY, clients["verifier"].stub.Verify),
                                        ("Propose", PROPOSE, clients["drafter"].stub.Propose),
                                        ("EndSession", END, clients["verifier"].stub.EndSession)):
-            @fuzz
-            @given(request=strategy)
-            def run(request, kind=kind, method=method) -> None:
-                record(kind, call(method, request, args.timeout), request)
-            run()
+            fuzzer(kind, strategy, method)()
             print(f"{kind}: {sum(n for (k, _), n in answers.items() if k == kind)} requests", file=sys.stderr)
 
         rng = random.Random(args.seed)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import shutil
 import signal
 import subprocess
@@ -129,10 +130,29 @@ class Mesh:
         self.namespaces.clear()
 
 
+def remove_stale_namespaces() -> None:
+    """Namespaces of an earlier run of this test whose pytest died without its finaliser (SIGKILL): removed when
+    that pytest is gone and nothing runs inside them any more."""
+    try:
+        names = [line.split()[0] for line in ip("netns", "list").splitlines() if line.strip()]
+    except MeshUnavailable:
+        return
+    for name in names:
+        match = re.fullmatch(r"smh(\d+)x\d+-\w+", name)
+        if not match or Path(f"/proc/{match.group(1)}").exists():
+            continue
+        try:
+            if not ip("netns", "pids", name).split():
+                ip("netns", "del", name)
+        except MeshUnavailable:
+            pass
+
+
 @pytest.fixture
 def mesh():
     if os.geteuid() != 0:
         pytest.skip("network namespaces need root (CAP_NET_ADMIN)")
+    remove_stale_namespaces()
     m = Mesh()
     try:
         try:

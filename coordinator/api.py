@@ -156,11 +156,17 @@ class Coordinator:
         return self.verifiers.transitions.counts
 
     def encode_prompt(self, prompt: str, chat: bool) -> list[int]:
-        if chat and getattr(self.tokenizer, "chat_template", None):
-            text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                                      add_generation_prompt=True)
-            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if chat and getattr(self.tokenizer, "chat_template", None):  # instruct models; base models get the text
+            return self.encode_messages([{"role": "user", "content": prompt}])
         return self.tokenizer(prompt)["input_ids"]
+
+    def encode_messages(self, messages: list[dict]) -> list[int]:
+        """Token ids of a chat, with the model's chat template (a plain "role: content" transcript without one)."""
+        if getattr(self.tokenizer, "chat_template", None):
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+        return self.tokenizer(text)["input_ids"]
 
     def generate(self, prompt: str | list[int], options: GenerationOptions = GenerationOptions(),
                  on_text: Callable[[str], None] | None = None) -> GenerationResult:

@@ -1,18 +1,19 @@
-"""`coordinator generate ...` and `coordinator models list|pull`."""
+"""`coordinator generate ...`, `coordinator serve ...` and `coordinator models list|pull`."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-from contextlib import ExitStack
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 
 from specmesh import catalog
 from specmesh.defaults import DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL
 
 
-def add_generate_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prompt", required=True, help="the prompt text")
+def add_fleet_arguments(p: argparse.ArgumentParser) -> None:
+    """Where the workers are (or which models to start locally), and how to reach them."""
     p.add_argument("--drafter", action="append", default=None,
                    help="drafter HOST:PORT or dns:///NAME:PORT; may be repeated (default: start one locally)")
     p.add_argument("--verifier", action="append", default=None,
@@ -21,17 +22,10 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"model for a locally started drafter (default: {DEFAULT_DRAFT_MODEL})")
     p.add_argument("--target-model", default=DEFAULT_TARGET_MODEL,
                    help=f"model for a locally started verifier (default: {DEFAULT_TARGET_MODEL})")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="tokens to generate at most (default: 256)")
-    p.add_argument("--draft-tokens", type=int, default=None,
-                   help="fixed draft length k; 0 = target-only decoding (default: adaptive)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default: 1.0 = off)")
-    p.add_argument("--top-k", type=int, default=0, help="top-k sampling (default: 0 = off)")
-    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random when sampling)")
-    p.add_argument("--stop", action="append", default=[], help="stop string; may be repeated")
     p.add_argument("--dtype", default="auto", help="dtype of locally started workers (default: auto)")
     p.add_argument("--device", default="auto", help="device of locally started workers (default: auto)")
-    p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    p.add_argument("--draft-tokens", type=int, default=None,
+                   help="fixed draft length k; 0 = target-only decoding (default: adaptive)")
     add_resilience_arguments(p)
     p.add_argument("--tls-ca", help="PEM CA bundle to verify workers' certificates (enables TLS)")
     p.add_argument("--tls-cert", help="PEM client certificate for mutual TLS")
@@ -39,7 +33,27 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-server-name", help="name to expect in the workers' certificates (default: the host)")
     p.add_argument("--token-file", help="bearer token for the workers (default: $SPECMESH_TOKEN_FILE, else "
                    "$SPECMESH_TOKEN)")
+
+
+def add_generate_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompt", required=True, help="the prompt text")
+    add_fleet_arguments(p)
+    p.add_argument("--max-new-tokens", type=int, default=256, help="tokens to generate at most (default: 256)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default: 1.0 = off)")
+    p.add_argument("--top-k", type=int, default=0, help="top-k sampling (default: 0 = off)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random when sampling)")
+    p.add_argument("--stop", action="append", default=[], help="stop string; may be repeated")
+    p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, stats) instead")
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="HTTP address to bind (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port; 0 picks a free one (default: 8000)")
+    p.add_argument("--default-max-tokens", type=int, default=256,
+                   help="max_tokens when a request gives none (default: 256)")
+    add_fleet_arguments(p)
 
 
 def add_resilience_arguments(p: argparse.ArgumentParser) -> None:
@@ -81,32 +95,40 @@ def print_summary(result) -> None:
           file=sys.stderr)
 
 
-def generate(args: argparse.Namespace) -> int:
-    # Heavy imports (torch, transformers) only for the commands that need them.
-    from coordinator.api import Coordinator, GenerationFailed, GenerationOptions
-    from coordinator.workers import LocalWorkerSpec, WorkerError, local_workers
-    try:
-        options = GenerationOptions(max_new_tokens=args.max_new_tokens, draft_tokens=args.draft_tokens,
-                                    temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                                    seed=args.seed, stop=tuple(args.stop), chat=not args.no_chat)
-        resilience = resilience_from(args)
-        security = security_from(args)
-    except ValueError as e:
-        print(f"coordinator: error: {e}", file=sys.stderr)
-        return 2
-    need_drafter = options.draft_tokens != 0
+@contextmanager
+def connected(args: argparse.Namespace, progress: bool) -> Iterator:
+    """A Coordinator over the given workers, or over local worker subprocesses started for the duration."""
+    from coordinator.api import Coordinator
+    from coordinator.workers import LocalWorkerSpec, local_workers
+    need_drafter = args.draft_tokens != 0
     specs = []
     if args.verifier is None:
         specs.append(LocalWorkerSpec("verifier", args.target_model, args.device, args.dtype))
     if need_drafter and args.drafter is None:
         specs.append(LocalWorkerSpec("drafter", args.draft_model, args.device, args.dtype))
     with ExitStack() as stack:
+        addresses = stack.enter_context(local_workers(specs, progress=progress)) if specs else {}
+        yield stack.enter_context(Coordinator(
+            verifier=args.verifier or [addresses["verifier"]],
+            drafter=(args.drafter or [addresses["drafter"]]) if need_drafter else None,
+            resilience=resilience_from(args), security=security_from(args)))
+
+
+def generate(args: argparse.Namespace) -> int:
+    # Heavy imports (torch, transformers) only for the commands that need them.
+    from coordinator.api import GenerationFailed, GenerationOptions
+    from coordinator.workers import WorkerError
+    try:
+        options = GenerationOptions(max_new_tokens=args.max_new_tokens, draft_tokens=args.draft_tokens,
+                                    temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                    seed=args.seed, stop=tuple(args.stop), chat=not args.no_chat)
+        resilience_from(args), security_from(args)
+    except ValueError as e:
+        print(f"coordinator: error: {e}", file=sys.stderr)
+        return 2
+    with ExitStack() as stack:
         try:
-            addresses = stack.enter_context(local_workers(specs, progress=not args.json)) if specs else {}
-            coordinator = stack.enter_context(Coordinator(
-                verifier=args.verifier or [addresses["verifier"]],
-                drafter=(args.drafter or [addresses["drafter"]]) if need_drafter else None,
-                resilience=resilience, security=security))
+            coordinator = stack.enter_context(connected(args, progress=not args.json))
         except WorkerError as e:
             print(f"coordinator: error: {e}", file=sys.stderr)
             return 1
@@ -131,6 +153,34 @@ def generate(args: argparse.Namespace) -> int:
     else:
         print_summary(result)
     return status
+
+
+def serve(args: argparse.Namespace) -> int:
+    import socket
+
+    import uvicorn
+
+    from coordinator.http_api import create_app
+    from coordinator.workers import WorkerError
+    try:
+        resilience_from(args), security_from(args)
+        if args.draft_tokens is not None and not 0 <= args.draft_tokens <= 64:
+            raise ValueError(f"draft_tokens must be in 0..64, got {args.draft_tokens}")
+        listener = socket.create_server((args.host, args.port))  # bound first: port 0 gets a real port to report
+    except (ValueError, OSError) as e:
+        print(f"coordinator: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        with connected(args, progress=True) as coordinator:
+            app = create_app(coordinator, default_max_tokens=args.default_max_tokens,
+                             draft_tokens=args.draft_tokens)
+            host, port = listener.getsockname()[:2]
+            print(f"LISTENING http://{host}:{port}", flush=True)
+            uvicorn.Server(uvicorn.Config(app, log_level="info")).run(sockets=[listener])
+    except WorkerError as e:
+        print(f"coordinator: error: {e}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def models_list(args: argparse.Namespace) -> int:
@@ -162,6 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen = commands.add_parser("generate", help="generate text with speculative decoding")
     add_generate_arguments(gen)
     gen.set_defaults(func=generate)
+    srv = commands.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
+    add_serve_arguments(srv)
+    srv.set_defaults(func=serve)
     models = commands.add_parser("models", help="the built-in model catalog")
     models_commands = models.add_subparsers(dest="models_command", required=True)
     models_commands.add_parser("list", help="list catalog models").set_defaults(func=models_list)

@@ -6,7 +6,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from drafter.engine import DraftEngine
-from drafter.ngram import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, NgramConfig, NgramEngine, NgramModelInfo, NgramWorkerServer
+from drafter.ngram import (DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, NgramConfig, NgramEngine, NgramModelInfo,
+                           NgramWorkerServer)
 from specmesh.models import LoadedModel
 from specmesh.serving import WorkerConfig, WorkerServer, WorkerServicerBase, rpc, serving
 from specmesh.v1 import specmesh_pb2 as pb

@@ -244,7 +244,8 @@ class ForwardCounter:
         self._handle.remove()
 
 
-def run_hf(args, modes: list[Mode], prompts: list[dict], prompt_ids: dict, eos_ids: list[int], log) -> tuple[dict, list[dict]]:
+def run_hf(args, modes: list[Mode], prompts: list[dict], prompt_ids: dict, eos_ids: list[int],
+           log) -> tuple[dict, list[dict]]:
     import torch
     from transformers import GenerationConfig
 
@@ -406,9 +407,14 @@ def _f(value, fmt: str, missing: str = "–") -> str:
     return missing if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, fmt)
 
 
+def _x(value) -> str:
+    return "–" if value is None else f"{value:.2f}x"
+
+
 def markdown(report: dict) -> str:
     info, summary, rows = report["info"], report["summary"], report["rows"]
-    lines = [f"**{info.get('draft') or '(no draft model)'} → {info['target']}**, {info['dtype']} on {info['device']}, "
+    draft = info.get("draft") or "(no draft model)"
+    lines = [f"**{draft} → {info['target']}**, {info['dtype']} on {info['device']}, "
              f"greedy, ≤ {report['config']['max_new_tokens']} new tokens, {len(report['prompts'])} prompts "
              f"({', '.join(f'{n} {c}' for c, n in report['prompt_counts'].items())}), best of "
              f"{report['config']['repeats']}; n-gram drafter n = {report['config']['ngram_min']}.."
@@ -419,11 +425,11 @@ def markdown(report: dict) -> str:
     for s in summary:
         div = f"{s['diverged_prompts']}/{s['prompts']} prompts, earliest token {s['earliest_divergence']}" \
             if s["diverged_prompts"] else "none"
-        lines.append(f"| {s['class']} | {s['mode']} | {_f(s['tokens_per_s'], '.2f')} | {_f(s['speedup'], '.2f')}x | "
-                     f"{_f(s['speedup_vs_hf_target'], '.2f')}x | {_f(s['acceptance_rate'], '.1%')} | "
+        lines.append(f"| {s['class']} | {s['mode']} | {_f(s['tokens_per_s'], '.2f')} | {_x(s['speedup'])} | "
+                     f"{_x(s['speedup_vs_hf_target'])} | {_f(s['acceptance_rate'], '.1%')} | "
                      f"{_f(s['mean_accepted_length'], '.2f')} | {s['rounds']} | {div} |")
-    lines += ["", "Per-round breakdown (ms per round, all rounds; draft/verify = coordinator-side wall time of the RPC) "
-              "and the analytic speedup E / (k·c + v(k)) next to the measured one (steady-state rounds):", "",
+    lines += ["", "Per-round breakdown (ms per round, all rounds; draft/verify = coordinator-side wall time of the "
+              "RPC) and the analytic speedup E / (k·c + v(k)) next to the measured one (steady-state rounds):", "",
               "| class | mode | draft ms | verify ms | rest ms | prefill round ms | mean k | a | c | v(k) | "
               "E predicted | E measured | speedup bound | measured |",
               "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
@@ -435,14 +441,14 @@ def markdown(report: dict) -> str:
             f"{_f(s['verify_ms_per_round'], '.1f')} | {_f(s['rest_ms_per_round'], '.1f')} | "
             f"{_f(s['prefill_round_ms'], '.0f')} | {_f(s.get('k_mean'), '.2f')} | {_f(s['acceptance_rate'], '.2f')} | "
             f"{_f(s.get('c'), '.3f')} | {_f(s.get('v_k'), '.2f')} | {_f(s.get('expected_tokens_per_round'), '.2f')} | "
-            f"{_f(s['mean_accepted_length'], '.2f')} | {_f(s.get('bound_speedup'), '.2f')}x | "
-            f"{_f(s['speedup'], '.2f')}x |")
+            f"{_f(s['mean_accepted_length'], '.2f')} | {_x(s.get('bound_speedup'))} | "
+            f"{_x(s['speedup'])} |")
     modes = [m for m in report["config"]["modes"] if m != BASELINE]
     lines += ["", "Speedup over specmesh target-only per prompt:", "",
               "| prompt | class | " + " | ".join(modes) + " |", "| --- | --- |" + " ---: |" * len(modes)]
     by = {(r["prompt_id"], r["mode"]): r for r in rows}
     for p in report["prompts"]:
-        cells = [_f(by[(p["id"], m)]["speedup"], ".2f") + "x" if (p["id"], m) in by else "–" for m in modes]
+        cells = [_x(by[(p["id"], m)]["speedup"]) if (p["id"], m) in by else "–" for m in modes]
         lines.append(f"| {p['id']} | {p['class']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

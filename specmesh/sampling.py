@@ -235,7 +235,10 @@ def truncate_distribution(probs: torch.Tensor, top_p: float = 0.999, max_entries
         raise ValueError("probs must be finite and not all zero")
     # Smallest prefix whose mass reaches top_p (first cum >= top_p * total).
     keep = min(int(torch.searchsorted(cum, top_p * total)) + 1, vals.numel())
-    vals32 = array("f", vals[:keep].tolist()).tolist()
+    # Renormalise the kept mass before rounding, so what travels sums to 1 (up to float32 rounding) and receivers
+    # can check it; the distribution itself is unchanged (SparseDist normalises by the sum anyway).
+    kept = vals[:keep].to(torch.float64)
+    vals32 = array("f", (kept / kept.sum()).tolist()).tolist()
     # Sorted descending, so entries that are (or round to) zero form a suffix;
     # they could never be drawn, so don't ship them.  The top one is > 0.
     while len(vals32) > 1 and vals32[-1] == 0.0:

@@ -23,6 +23,7 @@ from coordinator.sessions import DegradingDraftSession, FailoverTargetSession, F
 from coordinator.text_stream import TextStream
 from coordinator.workers import WorkerError
 from specmesh.tokenizer import load_tokenizer
+from specmesh import metrics
 from specmesh.sampling import SamplingParams
 from specmesh.security import ClientSecurity, load_token
 from specmesh.validation import MAX_SEED
@@ -127,6 +128,18 @@ class Coordinator:
             self.close()
             raise
         self.eos_token_ids = frozenset(self.verifier_info.eos_token_ids)
+        metrics.register_state(f"coordinator:{id(self)}", self._state_metrics)
+
+    def _state_metrics(self):
+        pools = [p for p in (self.verifiers, self.drafters) if p is not None]
+        endpoints = [e for p in pools for e in p.endpoints]
+        states = {"closed": 0, "half-open": 1, "open": 2}
+        yield metrics.gauge("specmesh_breaker_state", "0 closed, 1 half-open, 2 open", ["role", "endpoint"],
+                            [([e.role, e.address], states.get(e.breaker.state, 2)) for e in endpoints])
+        yield metrics.gauge("specmesh_endpoint_serving", "1 while grpc.health.v1 reports SERVING",
+                            ["role", "endpoint"], [([e.role, e.address], int(e.serving)) for e in endpoints])
+        yield metrics.gauge("specmesh_endpoint_sessions", "generations pinned to the endpoint", ["role", "endpoint"],
+                            [([e.role, e.address], e.sessions) for e in endpoints])
 
     @staticmethod
     def _info(pool: WorkerPool, timeout_s: float):
@@ -146,6 +159,7 @@ class Coordinator:
         self.close()
 
     def close(self) -> None:
+        metrics.unregister_state(f"coordinator:{id(self)}")
         for pool in (self.verifiers, self.drafters):
             if pool is not None:
                 pool.close()
@@ -197,6 +211,7 @@ class Coordinator:
             stream.finish()
             partial = GenerationResult(stream.text, loop.tokens, len(prompt_ids), "error",
                                        summarize(loop, time.perf_counter() - started, seed, faults), loop.rounds)
+            metrics.record_generation(partial, time.perf_counter() - started)
             reason = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) else str(e)
             raise GenerationFailed(f"generation failed after {len(loop.tokens)} tokens: {reason}", partial) from e
         finally:
@@ -204,8 +219,10 @@ class Coordinator:
             if drafter is not None:
                 drafter.end()
         text = stream.finish()
-        return GenerationResult(text, loop.tokens, len(prompt_ids), loop.finish_reason,
-                                summarize(loop, time.perf_counter() - started, seed, faults), loop.rounds)
+        result = GenerationResult(text, loop.tokens, len(prompt_ids), loop.finish_reason,
+                                  summarize(loop, time.perf_counter() - started, seed, faults), loop.rounds)
+        metrics.record_generation(result, time.perf_counter() - started)
+        return result
 
 
 def check_compatible(drafter_info, verifier_info) -> None:

@@ -33,6 +33,9 @@ def add_fleet_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-server-name", help="name to expect in the workers' certificates (default: the host)")
     p.add_argument("--token-file", help="bearer token for the workers (default: $SPECMESH_TOKEN_FILE, else "
                    "$SPECMESH_TOKEN)")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics on this port; 0 picks a free one (default: off)")
+    p.add_argument("--metrics-host", default="127.0.0.1", help="address for --metrics-port (default: 127.0.0.1)")
 
 
 def add_generate_arguments(p: argparse.ArgumentParser) -> None:
@@ -106,6 +109,10 @@ def connected(args: argparse.Namespace, progress: bool) -> Iterator:
         specs.append(LocalWorkerSpec("verifier", args.target_model, args.device, args.dtype))
     if need_drafter and args.drafter is None:
         specs.append(LocalWorkerSpec("drafter", args.draft_model, args.device, args.dtype))
+    from specmesh.metrics import serve_metrics
+    metrics_port = serve_metrics(args.metrics_port, args.metrics_host)
+    if metrics_port is not None:
+        print(f"METRICS http://{args.metrics_host}:{metrics_port}/metrics", file=sys.stderr, flush=True)
     with ExitStack() as stack:
         addresses = stack.enter_context(local_workers(specs, progress=progress)) if specs else {}
         yield stack.enter_context(Coordinator(

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import grpc
 import pybreaker
 
+from specmesh import metrics
+
 log = logging.getLogger("specmesh.resilience")
 
 # Worth another attempt (the same or another worker may answer): the worker is gone, slow or overloaded.
@@ -67,6 +69,7 @@ class TransitionLog(pybreaker.CircuitBreakerListener):
         old = old_state.name if old_state else "none"
         with self._lock:
             self.counts[(cb.name, old, new_state.name)] += 1
+        metrics.BREAKER_TRANSITIONS.labels(cb.name, old, new_state.name).inc()
         log.warning("breaker %s: %s -> %s", cb.name, old, new_state.name)
 
 

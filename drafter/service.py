@@ -8,6 +8,7 @@ from contextlib import contextmanager
 from drafter.engine import DraftEngine
 from drafter.ngram import (DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, NgramConfig, NgramEngine, NgramModelInfo,
                            NgramWorkerServer)
+from specmesh import metrics
 from specmesh.models import LoadedModel
 from specmesh.serving import WorkerConfig, WorkerServer, WorkerServicerBase, rpc, serving
 from specmesh.v1 import specmesh_pb2 as pb
@@ -32,6 +33,7 @@ class DrafterServicer(WorkerServicerBase, pb_grpc.DrafterServicer):
         self.before_work(context)
         proposal = engine.propose(session_key, request.context.base_length, request.context.base_hash,
                                   new_tokens, request.num_tokens, params, request.seed, is_active=context.is_active)
+        metrics.DRAFT_TOKENS_PROPOSED.inc(len(proposal.tokens))
         return pb.ProposeResponse(
             tokens=list(proposal.tokens),
             distributions=[pb.SparseDistribution(token_ids=list(d.token_ids), probs=list(d.probs))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from contextlib import contextmanager
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from specmesh import metrics
 from specmesh.devices import dtype_name
 from specmesh.history import ResyncRequired
 from specmesh.models import LoadedModel, load_model
@@ -97,18 +99,33 @@ def rpc(handler: Callable) -> Callable:
 
     @functools.wraps(handler)
     def wrapper(self, request, context: grpc.ServicerContext):
+        started, code = time.perf_counter(), "OK"
         try:
             return handler(self, request, context)
-        except NotReady as e:
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        except Cancelled as e:
-            context.abort(grpc.StatusCode.CANCELLED, str(e))
-        except ResyncRequired as e:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{RESYNC_PREFIX} {e}")
-        except ValueError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except Exception as e:
+            code = ("UNAVAILABLE" if isinstance(e, NotReady) else "CANCELLED" if isinstance(e, Cancelled) else
+                    "FAILED_PRECONDITION" if isinstance(e, ResyncRequired) else
+                    "INVALID_ARGUMENT" if isinstance(e, ValueError) else "UNKNOWN")
+            _abort(context, e)
+        finally:
+            service = self.worker.config.role
+            metrics.RPC_REQUESTS.labels(service, handler.__name__, code).inc()
+            metrics.RPC_LATENCY.labels(service, handler.__name__).observe(time.perf_counter() - started)
 
     return wrapper
+
+
+def _abort(context: grpc.ServicerContext, error: Exception) -> None:
+    """Answer with the status code that matches `error`; anything unexpected propagates (gRPC answers UNKNOWN)."""
+    if isinstance(error, NotReady):
+        context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
+    if isinstance(error, Cancelled):
+        context.abort(grpc.StatusCode.CANCELLED, str(error))
+    if isinstance(error, ResyncRequired):
+        context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{RESYNC_PREFIX} {error}")
+    if isinstance(error, ValueError):
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+    raise error
 
 
 class WorkerServicerBase:
@@ -208,6 +225,12 @@ class WorkerServer:
         engine = self._engine_factory(loaded, self)
         engine.warm_up()
         self.engine = engine
+        role = self.config.role
+        metrics.register_state(f"{role}:{self.port}", lambda: [
+            metrics.gauge("specmesh_active_sessions", "sessions whose KV cache this worker holds", ["role"],
+                          [([role], len(engine.sessions))]),
+            metrics.gauge("specmesh_kv_cache_bytes", "bytes of keys/values cached across sessions", ["role"],
+                          [([role], engine.sessions.cache_bytes)])])
         self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info("%s ready: model=%s device=%s dtype=%s port=%d", self.config.role, loaded.name, loaded.device,
                  dtype_name(loaded.dtype), self.port)
@@ -217,6 +240,7 @@ class WorkerServer:
         if self._stopped.is_set():
             return
         self._stopped.set()
+        metrics.unregister_state(f"{self.config.role}:{self.port}")
         self.health.enter_graceful_shutdown()
         self._server.stop(grace).wait()
 

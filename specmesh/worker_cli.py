@@ -13,6 +13,7 @@ import sys
 import threading
 from collections.abc import Callable
 
+from specmesh.metrics import serve_metrics
 from specmesh.security import TlsFiles, exposure_warning, load_token
 from specmesh.serving import WorkerConfig, WorkerServer
 from specmesh.sessions import SessionLimits
@@ -37,6 +38,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser, default_model: str) -> 
                         help="seconds in-flight calls may finish after SIGTERM (default: 10)")
     parser.add_argument("--inject-latency", type=float, default=0.0,
                         help="testing: wait this many seconds before every Propose/Verify (default: 0)")
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help="serve Prometheus metrics on this port; 0 picks a free one (default: off)")
+    parser.add_argument("--metrics-host", default="127.0.0.1", help="address for --metrics-port (default: 127.0.0.1)")
     limits = parser.add_argument_group("limits")
     limits.add_argument("--max-cache-bytes", type=int, default=None,
                         help="KV-cache memory across sessions; least recently used sessions are evicted beyond it "
@@ -111,6 +115,9 @@ def serve_main(role: str, build_server: Callable[..., WorkerServer], default_mod
     signal.signal(signal.SIGINT, on_signal)
     server.start()
     print(f"LISTENING {server.address}", flush=True)
+    metrics_port = serve_metrics(args.metrics_port, args.metrics_host)
+    if metrics_port is not None:
+        print(f"METRICS http://{args.metrics_host}:{metrics_port}/metrics", flush=True)
     try:
         server.load()
     except Exception as e:  # a model that cannot load is fatal for a worker: say why and exit non-zero

@@ -130,3 +130,26 @@ def test_coordinator_serve_cli(tmp_path):
     finally:
         server.terminate()
         server.wait(30)
+
+
+def test_prometheus_metrics_are_scraped(client, coordinator, tiny_target):
+    from specmesh.metrics import serve_metrics
+    port = serve_metrics(0)
+    client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    assert values["specmesh_generated_tokens_total"] >= 12
+    assert values["specmesh_drafted_tokens_total"] >= values["specmesh_accepted_tokens_total"] > 0
+    assert 0 < values["specmesh_acceptance_rate"] <= 1 and values["specmesh_mean_acceptance_length"] >= 1
+    assert values['specmesh_accepted_tokens_per_position_total{position="0"}'] > 0
+    assert values['specmesh_rpc_requests_total{code="OK",method="Verify",service="verifier"}'] > 0
+    assert values['specmesh_rpc_requests_total{code="OK",method="Propose",service="drafter"}'] > 0
+    assert 'specmesh_rpc_latency_seconds_bucket{le="0.005",method="Verify",service="verifier"}' in values
+    assert any(k.startswith("specmesh_breaker_state{") for k in values)
+    assert any(k.startswith("specmesh_active_sessions{") for k in values)
+    assert any(k.startswith("specmesh_kv_cache_bytes{") for k in values)
+    assert "specmesh_failovers_total" in values and "specmesh_retries_total" in values

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -17,17 +18,20 @@ import grpc
 
 from coordinator.fleet import WorkerPool
 from coordinator.loop import DraftLength, LoopConfig, LoopResult, speculative_decode
+from coordinator.record import Recorder
 from coordinator.remote import new_session_id
 from coordinator.resilience import NoWorkerAvailable, ResilienceConfig
 from coordinator.sessions import DegradingDraftSession, FailoverTargetSession, FaultStats
 from coordinator.text_stream import TextStream
 from coordinator.workers import WorkerError
 from specmesh.tokenizer import load_tokenizer
-from specmesh import metrics
+from specmesh import logs, metrics
 from specmesh.sampling import SamplingParams
 from specmesh.security import ClientSecurity, load_token
 from specmesh.validation import MAX_SEED
 
+
+log = logging.getLogger("specmesh.coordinator")
 
 MAX_NEW_TOKENS = 1 << 20  # far beyond any model's context; the verifier's context limit applies first
 
@@ -107,10 +111,11 @@ class Coordinator:
 
     def __init__(self, verifier: str | Sequence[str], drafter: str | Sequence[str] | None = None, tokenizer=None,
                  resilience: ResilienceConfig = ResilienceConfig(), connect_timeout_s: float = 30.0,
-                 security: ClientSecurity | None = None) -> None:
+                 security: ClientSecurity | None = None, record: str | None = None) -> None:
         """`security`: TLS files and bearer token for reaching the workers (default: plaintext, with the token from
         $SPECMESH_TOKEN_FILE / $SPECMESH_TOKEN when set)."""
         self.resilience = resilience
+        self.recorder = Recorder(record) if record else None
         security = security if security is not None else ClientSecurity(token=load_token())
         self.verifiers = WorkerPool([verifier] if isinstance(verifier, str) else verifier, "verifier", resilience,
                                     security=security)
@@ -197,6 +202,7 @@ class Coordinator:
         config = LoopConfig(max_new_tokens=options.max_new_tokens, eos_token_ids=self.eos_token_ids,
                             draft_length=draft_length)
         session_id = new_session_id()
+        logs.session_id.set(session_id)
         faults = FaultStats()
         target = FailoverTargetSession(self.verifiers, session_id, prompt_ids, options.sampling, seed,
                                        self.resilience, faults)
@@ -212,6 +218,7 @@ class Coordinator:
             partial = GenerationResult(stream.text, loop.tokens, len(prompt_ids), "error",
                                        summarize(loop, time.perf_counter() - started, seed, faults), loop.rounds)
             metrics.record_generation(partial, time.perf_counter() - started)
+            self._finished(session_id, prompt, prompt_ids, options, partial)
             reason = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) else str(e)
             raise GenerationFailed(f"generation failed after {len(loop.tokens)} tokens: {reason}", partial) from e
         finally:
@@ -222,7 +229,16 @@ class Coordinator:
         result = GenerationResult(text, loop.tokens, len(prompt_ids), loop.finish_reason,
                                   summarize(loop, time.perf_counter() - started, seed, faults), loop.rounds)
         metrics.record_generation(result, time.perf_counter() - started)
+        self._finished(session_id, prompt, prompt_ids, options, result)
         return result
+
+    def _finished(self, session_id: str, prompt, prompt_ids: list[int], options: GenerationOptions,
+                  result: GenerationResult) -> None:
+        log.info("generation %s: %d tokens, %s", result.finish_reason, len(result.token_ids),
+                 ", ".join(f"{k}={v}" for k, v in result.stats.items()), extra={"stats": result.stats})
+        if self.recorder is not None:
+            self.recorder.write(session_id=session_id, prompt=prompt, prompt_ids=prompt_ids, options=options,
+                                result=result)
 
 
 def check_compatible(drafter_info, verifier_info) -> None:

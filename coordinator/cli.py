@@ -9,6 +9,8 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 
 from specmesh import catalog
+from specmesh import config as flag_config
+from specmesh.config import add_config_argument
 from specmesh.defaults import DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL
 
 
@@ -36,6 +38,11 @@ def add_fleet_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics on this port; 0 picks a free one (default: off)")
     p.add_argument("--metrics-host", default="127.0.0.1", help="address for --metrics-port (default: 127.0.0.1)")
+    p.add_argument("--record", default=None, help="append one JSON line per generation to this file (default: off)")
+    p.add_argument("--log-format", choices=("auto", "json", "text"), default="auto",
+                   help="auto: JSON lines unless stderr is a terminal (default: auto)")
+    p.add_argument("--log-level", default=None,
+                   help="DEBUG, INFO, WARNING or ERROR (default: WARNING for generate, INFO for serve)")
 
 
 def add_generate_arguments(p: argparse.ArgumentParser) -> None:
@@ -118,14 +125,16 @@ def connected(args: argparse.Namespace, progress: bool) -> Iterator:
         yield stack.enter_context(Coordinator(
             verifier=args.verifier or [addresses["verifier"]],
             drafter=(args.drafter or [addresses["drafter"]]) if need_drafter else None,
-            resilience=resilience_from(args), security=security_from(args)))
+            resilience=resilience_from(args), security=security_from(args), record=args.record))
 
 
 def generate(args: argparse.Namespace) -> int:
     # Heavy imports (torch, transformers) only for the commands that need them.
     from coordinator.api import GenerationFailed, GenerationOptions
     from coordinator.workers import WorkerError
+    from specmesh.logs import configure_logging
     try:
+        configure_logging("coordinator", args.log_format, args.log_level or "WARNING")
         options = GenerationOptions(max_new_tokens=args.max_new_tokens, draft_tokens=args.draft_tokens,
                                     temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                     seed=args.seed, stop=tuple(args.stop), chat=not args.no_chat)
@@ -169,7 +178,9 @@ def serve(args: argparse.Namespace) -> int:
 
     from coordinator.http_api import create_app
     from coordinator.workers import WorkerError
+    from specmesh.logs import configure_logging
     try:
+        configure_logging("coordinator", args.log_format, args.log_level or "INFO")
         resilience_from(args), security_from(args)
         if args.draft_tokens is not None and not 0 <= args.draft_tokens <= 64:
             raise ValueError(f"draft_tokens must be in 0..64, got {args.draft_tokens}")
@@ -212,15 +223,22 @@ def models_pull(args: argparse.Namespace) -> int:
     return 0
 
 
+LEAF_PARSERS: dict[str, argparse.ArgumentParser] = {}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="coordinator", description="specmesh coordinator: distributed "
                                      "speculative decoding over gRPC drafter and verifier services")
     commands = parser.add_subparsers(dest="command", required=True)
     gen = commands.add_parser("generate", help="generate text with speculative decoding")
     add_generate_arguments(gen)
+    add_config_argument(gen)
+    LEAF_PARSERS["generate"] = gen
     gen.set_defaults(func=generate)
     srv = commands.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
     add_serve_arguments(srv)
+    add_config_argument(srv)
+    LEAF_PARSERS["serve"] = srv
     srv.set_defaults(func=serve)
     models = commands.add_parser("models", help="the built-in model catalog")
     models_commands = models.add_subparsers(dest="models_command", required=True)
@@ -232,5 +250,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Flags also come from SPECMESH_* variables and a --config TOML file (specmesh/config.py).
+    command = argv[0] if argv else None
+    if command in LEAF_PARSERS:
+        leaf = LEAF_PARSERS[command]
+        known, _ = leaf.parse_known_args(argv[1:])
+        flag_config.apply(leaf, command, flag_config.load(getattr(known, "config", None)))
+    args = parser.parse_args(argv)
     return args.func(args)

@@ -94,7 +94,12 @@ class LocalWorker:
                    *spec.extra_args]
         if spec.threads:
             command += ["--threads", str(spec.threads)]
-        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=self._log, stdin=subprocess.DEVNULL)
+        # The coordinator's own SPECMESH_* flag variables (a metrics port, say) are not the worker's; the token and
+        # the model cache are shared.
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith("SPECMESH_") or k in ("SPECMESH_TOKEN", "SPECMESH_TOKEN_FILE", "SPECMESH_CACHE_DIR")}
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=self._log, stdin=subprocess.DEVNULL,
+                                        env=env)
         self.address = self._read_address(timeout_s=60.0)
 
     def _read_address(self, timeout_s: float) -> str:

@@ -64,6 +64,7 @@ class Slot:
         self.restarts = 0
         self.restart_s: list[float] = []  # signal to SERVING again
         self.restart_deadline = 0.0
+        self.on_up = None  # called (on the restart thread) once a restarted process is SERVING
         self.restart_failures = 0
         self.lock = threading.Lock()
 
@@ -111,6 +112,8 @@ class Slot:
                 self.restarts += 1
                 self.restart_s.append(time.monotonic() - self.signalled_at)
                 self.up.set()
+                if self.on_up is not None:
+                    self.on_up(self)
                 return
             except WorkerError as e:
                 log(f"  restart of {self.name} failed (attempt {attempt + 1}): {str(e).splitlines()[0]}")
@@ -172,7 +175,8 @@ def main() -> int:
                         help="chance that a generation gets a fault; each further fault (up to --max-faults) "
                              "follows with the same chance")
     parser.add_argument("--max-faults", type=int, default=2, help="faults per generation at most")
-    parser.add_argument("--sigkill-share", type=float, default=0.6, help="share of faults that are SIGKILL (else SIGTERM)")
+    parser.add_argument("--sigkill-share", type=float, default=0.6,
+                        help="share of faults that are SIGKILL (else SIGTERM)")
     parser.add_argument("--pinned-bias", type=float, default=0.5,
                         help="chance that the victim is the verifier the session is pinned on")
     parser.add_argument("--restart-delay", type=float, default=0.5, help="seconds between a worker's exit and restart")
@@ -213,6 +217,7 @@ def main() -> int:
     started = time.monotonic()
     outcomes: list[Outcome] = []
     fault_counts: dict[str, int] = {}
+    seen_lag: list[float] = []
     with tempfile.TemporaryDirectory(prefix="specmesh-chaos-") as log_dir:
         extra = ("--grace", str(args.grace))
         slots = [Slot(f"verifier{i}", LocalWorkerSpec("verifier", args.target_model, args.device, args.dtype,
@@ -237,13 +242,13 @@ def main() -> int:
                 references = baseline(c, options, args)
                 if not references:
                     return 1
-                soak(c, args, rng, slots, verifiers, references, options, outcomes, fault_counts, started)
+                soak(c, args, rng, slots, verifiers, references, options, outcomes, fault_counts, seen_lag)
         finally:
             for slot in slots:
                 slot.stop()
         restarts = [t for s in slots for t in s.restart_s]
         restart_failures = sum(s.restart_failures for s in slots)
-    return report(args, outcomes, fault_counts, restarts, restart_failures, time.monotonic() - started)
+    return report(args, outcomes, fault_counts, restarts, restart_failures, seen_lag, time.monotonic() - started)
 
 
 def baseline(c: Coordinator, options: list[GenerationOptions], args) -> list[Reference] | None:
@@ -275,8 +280,20 @@ def baseline(c: Coordinator, options: list[GenerationOptions], args) -> list[Ref
 
 def soak(c: Coordinator, args, rng: random.Random, slots: list[Slot], verifiers: list[Slot],
          references: list[Reference], options: list[GenerationOptions], outcomes: list[Outcome],
-         fault_counts: dict[str, int], started: float) -> None:
+         fault_counts: dict[str, int], seen_lag: list[float]) -> None:
     soak_started = time.monotonic()
+
+    def measure_lag(slot: Slot) -> None:
+        """How long after a restarted worker is SERVING (to a fresh channel) the coordinator's pool sees it."""
+        pool = c.verifiers if slot.spec.role == "verifier" else c.drafters
+        endpoint = next(e for e in pool.endpoints if e.address == slot.address)
+        up_at = time.monotonic()
+        while not endpoint.serving and time.monotonic() - up_at < 120:
+            time.sleep(0.02)
+        seen_lag.append(time.monotonic() - up_at)
+
+    for slot in slots:
+        slot.on_up = lambda slot: threading.Thread(target=measure_lag, args=(slot,), daemon=True).start()
     for index in range(args.generations):
         if time.monotonic() - soak_started > args.time_limit:
             log(f"time limit reached after {index} generations")
@@ -292,10 +309,15 @@ def soak(c: Coordinator, args, rng: random.Random, slots: list[Slot], verifiers:
             plan.append({"signal": signal.SIGKILL if rng.random() < args.sigkill_share else signal.SIGTERM,
                          "pinned": rng.random() < args.pinned_bias, "pick": rng.random(), "point": point})
         if plan and not args.overlap:
-            # A faulted generation starts from a full fleet (bounded wait): its faults are the only ones it sees.
-            # Fault-free generations run while earlier restarts are still under way.
+            # A faulted generation starts from a full fleet, as the coordinator sees it (every endpoint SERVING with
+            # a breaker that lets calls through; bounded wait): its faults are the only ones it sees. Fault-free
+            # generations run while earlier restarts are still under way.
             for slot in slots:
                 slot.up.wait(timeout=max(0.0, slot.restart_deadline - time.monotonic()))
+            endpoints = [e for pool in (c.verifiers, c.drafters) if pool is not None for e in pool.endpoints]
+            wait_until = time.monotonic() + 30
+            while not all(e.usable() for e in endpoints) and time.monotonic() < wait_until:
+                time.sleep(0.02)
         deadline = time.monotonic() + args.restart_timeout  # a killed worker must be back by then
         lock = threading.Lock()
 
@@ -382,7 +404,7 @@ def soak(c: Coordinator, args, rng: random.Random, slots: list[Slot], verifiers:
 
 
 def report(args, outcomes: list[Outcome], fault_counts: dict[str, int], restart_s: list[float],
-           restart_failures: int, total_s: float) -> int:
+           restart_failures: int, seen_lag: list[float], total_s: float) -> int:
     restarts = len(restart_s)
     def count(status: str) -> int:
         return sum(o.status == status for o in outcomes)
@@ -393,7 +415,9 @@ def report(args, outcomes: list[Outcome], fault_counts: dict[str, int], restart_
     outage = [o for o in faulted if sum("-verifier" in f for f in o.faults) >= args.verifiers]
     failed_over = [o for o in faulted if o.stats.get("failovers") and o not in outage]
     added = [o.added_s for o in faulted]
-    added_failover = [o.added_s for o in failed_over]
+    # Wall time against the fault-free wall time means something only when the generation drafted like the
+    # fault-free one did (with a degraded drafter it decodes target-only: faster or slower depending on acceptance).
+    added_failover = [o.added_s for o in failed_over if not o.stats.get("degraded_rounds")]
     rounds = [o.failover_round_s for o in failed_over if o.failover_round_s is not None]
     clean = [o.added_s for o in outcomes if o.status == "ok" and not o.faults]
     summary = {
@@ -404,6 +428,8 @@ def report(args, outcomes: list[Outcome], fault_counts: dict[str, int], restart_
         "restarts": restarts,
         "restart_to_serving_p50_s": percentile(restart_s, 50),
         "restart_to_serving_max_s": round(max(restart_s), 2) if restart_s else None,
+        "coordinator_sees_restart_p50_s": percentile(seen_lag, 50),
+        "coordinator_sees_restart_max_s": round(max(seen_lag), 2) if seen_lag else None,
         "restart_failures": restart_failures,
         "mismatches": count("mismatch"),
         "lost_tokens": sum(o.lost for o in outcomes),
@@ -431,7 +457,9 @@ def report(args, outcomes: list[Outcome], fault_counts: dict[str, int], restart_
     }
     print(f"generations completed    {summary['completed']}/{summary['generations']}")
     print(f"faults injected          {summary['faults_injected']} {summary['faults_by_kind']} "
-          f"({restarts} restarts, {restart_failures} failed)")
+          f"({restarts} restarts, {restart_failures} failed; kill to SERVING p50 "
+          f"{summary['restart_to_serving_p50_s']} s, the coordinator sees it p50 "
+          f"{summary['coordinator_sees_restart_p50_s']} s / max {summary['coordinator_sees_restart_max_s']} s later)")
     print(f"mismatches               {summary['mismatches']}")
     print(f"lost tokens              {summary['lost_tokens']}")
     print(f"failed cleanly           {summary['failed_cleanly']} (uncleanly: {summary['failed_uncleanly']})")
@@ -441,7 +469,7 @@ def report(args, outcomes: list[Outcome], fault_counts: dict[str, int], restart_
           f"{summary['added_latency_outage_max_s']} s added")
     print(f"latency a failover adds  p50 {summary['added_latency_failover_p50_s']} s, "
           f"p99 {summary['added_latency_failover_p99_s']} s over the fault-free wall time "
-          f"({len(added_failover)} generations); the failover round itself p50 "
+          f"({len(added_failover)} generations without degraded rounds); the failover round itself p50 "
           f"{summary['failover_round_extra_p50_s']} s, p99 {summary['failover_round_extra_p99_s']} s")
     for o in outcomes:
         if o.status in ("mismatch", "lost-tokens", "unclean"):

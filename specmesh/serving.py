@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from specmesh import metrics
+from specmesh import logs, metrics
 from specmesh.devices import dtype_name
 from specmesh.history import ResyncRequired
 from specmesh.models import LoadedModel, load_model
@@ -100,6 +100,8 @@ def rpc(handler: Callable) -> Callable:
     @functools.wraps(handler)
     def wrapper(self, request, context: grpc.ServicerContext):
         started, code = time.perf_counter(), "OK"
+        logs.session_id.set(getattr(request, "session_id", ""))
+        logs.request_id.set(dict(context.invocation_metadata() or ()).get("x-request-id", ""))
         try:
             return handler(self, request, context)
         except Exception as e:
@@ -111,6 +113,7 @@ def rpc(handler: Callable) -> Callable:
             service = self.worker.config.role
             metrics.RPC_REQUESTS.labels(service, handler.__name__, code).inc()
             metrics.RPC_LATENCY.labels(service, handler.__name__).observe(time.perf_counter() - started)
+            log.debug("%s %s in %.1f ms", handler.__name__, code, 1000 * (time.perf_counter() - started))
 
     return wrapper
 

@@ -13,6 +13,9 @@ import sys
 import threading
 from collections.abc import Callable
 
+from specmesh import config as flag_config
+from specmesh.config import add_config_argument
+from specmesh.logs import configure_logging
 from specmesh.metrics import serve_metrics
 from specmesh.security import TlsFiles, exposure_warning, load_token
 from specmesh.serving import WorkerConfig, WorkerServer
@@ -41,6 +44,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser, default_model: str) -> 
     parser.add_argument("--metrics-port", type=int, default=None,
                         help="serve Prometheus metrics on this port; 0 picks a free one (default: off)")
     parser.add_argument("--metrics-host", default="127.0.0.1", help="address for --metrics-port (default: 127.0.0.1)")
+    add_logging_arguments(parser)
     limits = parser.add_argument_group("limits")
     limits.add_argument("--max-cache-bytes", type=int, default=None,
                         help="KV-cache memory across sessions; least recently used sessions are evicted beyond it "
@@ -55,6 +59,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser, default_model: str) -> 
     security.add_argument("--tls-ca", help="PEM CA bundle: require client certificates signed by it (mutual TLS)")
     security.add_argument("--token-file", help="file holding the bearer token every RPC must carry "
                           "(default: $SPECMESH_TOKEN_FILE, else $SPECMESH_TOKEN, else no token)")
+
+
+def add_logging_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--log-format", choices=("auto", "json", "text"), default="auto",
+                        help="auto: JSON lines unless stderr is a terminal (default: auto)")
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default: INFO)")
 
 
 def add_drafter_arguments(parser: argparse.ArgumentParser) -> None:
@@ -79,12 +89,15 @@ def serve_main(role: str, build_server: Callable[..., WorkerServer], default_mod
     add_serve_arguments(serve, default_model)
     if role == "drafter":
         add_drafter_arguments(serve)
+    add_config_argument(serve)
+    # Flags also come from SPECMESH_* variables and a --config TOML file (specmesh/config.py).
+    known, _ = serve.parse_known_args((argv if argv is not None else sys.argv[1:])[1:])
+    flag_config.apply(serve, role, flag_config.load(known.config))
     args = parser.parse_args(argv)
     # Passed to build_server as keywords, so the verifier's build_server never sees drafter options.
     options = dict(method=args.method, vocab_size=args.vocab_size, ngram_min=args.ngram_min,
                    ngram_max=args.ngram_max) if role == "drafter" else {}
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s")
+    configure_logging(role, args.log_format, args.log_level)
     try:
         tls = TlsFiles(cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca) if (args.tls_cert or args.tls_ca) else None
         token = load_token(args.token_file)

@@ -28,6 +28,8 @@ def add_fleet_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="device of locally started workers (default: auto)")
     p.add_argument("--draft-tokens", type=int, default=None,
                    help="fixed draft length k; 0 = target-only decoding (default: adaptive)")
+    p.add_argument("--connect-timeout", type=float, default=60.0,
+                   help="seconds to wait at start for a SERVING verifier (and drafter) (default: 60)")
     add_resilience_arguments(p)
     p.add_argument("--tls-ca", help="PEM CA bundle to verify workers' certificates (enables TLS)")
     p.add_argument("--tls-cert", help="PEM client certificate for mutual TLS")
@@ -125,7 +127,8 @@ def connected(args: argparse.Namespace, progress: bool) -> Iterator:
         yield stack.enter_context(Coordinator(
             verifier=args.verifier or [addresses["verifier"]],
             drafter=(args.drafter or [addresses["drafter"]]) if need_drafter else None,
-            resilience=resilience_from(args), security=security_from(args), record=args.record))
+            resilience=resilience_from(args), security=security_from(args), record=args.record,
+            connect_timeout_s=args.connect_timeout))
 
 
 def generate(args: argparse.Namespace) -> int:

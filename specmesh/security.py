@@ -13,6 +13,7 @@ import hashlib
 import hmac
 import ipaddress
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -102,6 +103,32 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
             return _deny("missing or wrong bearer token" if presented else "this server requires a bearer token")
         caller_identity.set(self._identity)
         return continuation(handler_call_details)
+
+
+class ConcurrencyLimitInterceptor(grpc.ServerInterceptor):
+    """At most `limit` model calls in progress; more are answered RESOURCE_EXHAUSTED at once. Health checks are
+    exempt, so a busy worker is not mistaken for a dead one by its probes."""
+
+    def __init__(self, limit: int) -> None:
+        self._slots = threading.BoundedSemaphore(limit)
+        self._limit = limit
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None or handler.unary_unary is None or \
+                handler_call_details.method.startswith(_UNAUTHENTICATED_METHODS):
+            return handler
+        inner, slots, limit = handler.unary_unary, self._slots, self._limit
+
+        def limited(request, context):
+            if not slots.acquire(blocking=False):
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"more than {limit} calls in progress")
+            try:
+                return inner(request, context)
+            finally:
+                slots.release()
+        return grpc.unary_unary_rpc_method_handler(limited, request_deserializer=handler.request_deserializer,
+                                                   response_serializer=handler.response_serializer)
 
 
 class _TokenMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):

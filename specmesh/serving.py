@@ -23,7 +23,7 @@ from specmesh import logs, metrics
 from specmesh.devices import dtype_name
 from specmesh.history import ResyncRequired
 from specmesh.models import LoadedModel, load_model
-from specmesh.security import TlsFiles, TokenAuthInterceptor, caller_identity
+from specmesh.security import ConcurrencyLimitInterceptor, TlsFiles, TokenAuthInterceptor, caller_identity
 from specmesh.sessions import SessionLimits
 from specmesh.v1 import specmesh_pb2 as pb
 from specmesh.validation import check_session_id
@@ -58,7 +58,6 @@ class WorkerConfig:
     limits: SessionLimits = field(default_factory=SessionLimits)
     max_draft_tokens: int = 32
     max_context_length: int | None = None  # None: the model's max_position_embeddings
-    max_workers: int = 8
     inject_latency_s: float = 0.0  # testing knob: every Propose/Verify first waits this long (a slow worker)
     tls: TlsFiles | None = None  # server certificate (+ CA: require client certificates, mutual TLS)
     token: str | None = None  # bearer token every non-health RPC must carry
@@ -189,10 +188,13 @@ class WorkerServer:
         self._service_name = service_name
         options = [*SERVER_OPTIONS, ("grpc.max_receive_message_length", config.max_message_bytes),
                    ("grpc.max_send_message_length", config.max_message_bytes)]
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.max_workers,
+        # Enough threads that calls beyond the limit reach the interceptor and are refused, rather than queue.
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.max_concurrent_rpcs + 8,
                                                               thread_name_prefix=config.role),
-                                   options=options, maximum_concurrent_rpcs=config.max_concurrent_rpcs,
-                                   interceptors=[TokenAuthInterceptor(config.token)] if config.token else [])
+                                   options=options,
+                                   # Authentication first: an unauthenticated caller never takes a slot.
+                                   interceptors=[*([TokenAuthInterceptor(config.token)] if config.token else []),
+                                                 ConcurrencyLimitInterceptor(config.max_concurrent_rpcs)])
         self.health = health.HealthServicer(experimental_non_blocking=True)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         add_servicer(servicer_factory(self), self._server)

@@ -171,8 +171,8 @@ def help_flags(help_text: str) -> set[str]:
 
 
 class _Parsed(Exception):
-    def __init__(self, namespace: argparse.Namespace) -> None:
-        self.namespace = namespace
+    def __init__(self, namespace: argparse.Namespace, extras: list[str]) -> None:
+        self.namespace, self.extras = namespace, extras
 
 
 def split_command(argv: list[str]) -> tuple[str, tuple[str, ...], list[str]]:
@@ -206,16 +206,23 @@ def check_command(argv: list[str], where: str, monkeypatch) -> argparse.Namespac
     if "-h" in rest or "--help" in rest:
         return argparse.Namespace()
 
-    original = argparse.ArgumentParser.parse_args
+    # Stop right after the top-level parser (prog without a space; subcommand parsers are "prog sub") has parsed
+    # everything: parse_args, parse_intermixed_args and the CLI's own pre-parse of the --config flag all go through
+    # parse_known_args. Nothing after parsing runs: no server starts.
+    original = argparse.ArgumentParser.parse_known_args
 
     def parse_only(self, args=None, namespace=None):
-        raise _Parsed(original(self, args, namespace))
+        result = original(self, args, namespace)
+        if " " not in self.prog:
+            raise _Parsed(*result)
+        return result
 
     with monkeypatch.context() as m:
-        m.setattr(argparse.ArgumentParser, "parse_args", parse_only)
+        m.setattr(argparse.ArgumentParser, "parse_known_args", parse_only)
         try:
             status, _, err = run_main(module, list(argv[1:]))
         except _Parsed as parsed:
+            assert not parsed.extras, f"{where}: `{shown}` does not accept {parsed.extras}"
             return parsed.namespace
     pytest.fail(f"{where}: the real `{module}` parser rejected {shlex.join(argv)} (exit {status}): {err.strip()}")
 
@@ -239,6 +246,7 @@ def all_command_lines() -> list[tuple[str, list[str]]]:
 COMMAND_LINES = all_command_lines()
 
 
+@pytest.mark.timeout(120)  # a parse that no longer stops (see check_command) would start a server: fail, not hang
 @pytest.mark.parametrize("where,argv", COMMAND_LINES, ids=[w for w, _ in COMMAND_LINES])
 def test_command_lines_use_real_cli_flags(where, argv, monkeypatch):
     assert isinstance(argv, list) and all(isinstance(a, str) for a in argv), \
@@ -437,7 +445,7 @@ def test_services_select_deployments_and_their_ports():
         ports = {p["name"]: p["containerPort"] for p in main_container(matches[0])["ports"]}
         for port in svc["spec"]["ports"]:
             assert ports.get(port["targetPort"]) == port["port"], \
-                f"Service {svc['metadata']['name']}: targetPort {port['targetPort']} is not container port {port['port']}"
+                f"Service {svc['metadata']['name']}: targetPort {port['targetPort']} != container port {port['port']}"
     for d in deployments():
         assert d["spec"]["selector"]["matchLabels"].items() <= d["spec"]["template"]["metadata"]["labels"].items()
 
@@ -544,7 +552,7 @@ def test_pods_share_cache_token_and_run_as_non_root():
     secret_name = secret[0]["metadata"]["name"]
     (token_key,) = secret[0]["stringData"]
     assert "REPLACE" in secret[0]["stringData"][token_key], "the example must hold an obvious placeholder"
-    assert not any(o["kind"] == "Secret" for _, o in k8s_objects()), "a token Secret must never be applied as a template"
+    assert not any(o["kind"] == "Secret" for _, o in k8s_objects()), "never apply a token Secret from a template"
     pvcs = {o["metadata"]["name"] for _, o in k8s_objects() if o["kind"] == "PersistentVolumeClaim"}
     for d in deployments():
         name = d["metadata"]["name"]
@@ -554,6 +562,7 @@ def test_pods_share_cache_token_and_run_as_non_root():
         volumes = {v["name"]: v for v in pod["volumes"]}
         assert volumes["model-cache"]["persistentVolumeClaim"]["claimName"] in pvcs
         assert volumes["token"]["secret"]["secretName"] == secret_name
+        assert volumes["token"]["secret"]["defaultMode"] == 0o440, "owner root, group fsGroup: group-readable only"
         for c in pod_containers(d):
             mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
             assert mounts["model-cache"] == "/cache", f"{name}/{c['name']}: cache at $SPECMESH_CACHE_DIR"
@@ -561,7 +570,8 @@ def test_pods_share_cache_token_and_run_as_non_root():
             assert "command" not in c, f"{name}/{c['name']}: keep the image's `python -m` ENTRYPOINT; use args"
         container = main_container(d)
         env = {e["name"]: e.get("value") for e in container["env"]}
-        assert env["SPECMESH_TOKEN_FILE"] == f"{dict((m['name'], m['mountPath']) for m in container['volumeMounts'])['token']}/{token_key}"
+        mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+        assert env["SPECMESH_TOKEN_FILE"] == f"{mounts['token']}/{token_key}", f"{name}: token file path"
 
 
 def test_deploy_readme_covers_every_file():

@@ -191,3 +191,20 @@ def _victim_session(server) -> str:
     # The test plays an attacker who somehow learned the id: read it from the server's own store.
     keys = [k for k in server.engine.sessions._sessions.keys() if not k.endswith("/warm-up")]
     return keys[0].split("/", 1)[1]
+
+
+def test_health_checks_are_exempt_from_the_concurrency_limit(tiny_target):
+    with run_verifier(tiny_target, port=0, max_concurrent_rpcs=1, inject_latency_s=1.5) as server:
+        busy = threading.Thread(target=status_of, args=(server.address, ClientSecurity()))
+        busy.start()
+        worker = RemoteWorker(server.address, "verifier", ClientSecurity())
+        try:
+            import time
+            deadline = time.monotonic() + 5
+            while server.engine is not None and time.monotonic() < deadline:
+                if status_of(server.address, ClientSecurity()) == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    break  # the slot is taken
+            assert worker.is_serving()  # yet the probe still answers SERVING
+        finally:
+            worker.close()
+            busy.join()

@@ -152,10 +152,7 @@ class Coordinator:
         if endpoint is None:
             raise WorkerError(f"no {pool.role} SERVING within {timeout_s:.0f} s at "
                               f"{', '.join(e.address for e in pool.endpoints)}")
-        try:
-            return endpoint.info()
-        except grpc.RpcError as e:
-            raise WorkerError(f"{pool.role} at {endpoint.address}: Info failed: {e.code().name} {e.details()}") from e
+        return endpoint.info()  # raises WorkerError saying what failed
 
     def __enter__(self) -> "Coordinator":
         return self

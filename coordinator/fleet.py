@@ -16,11 +16,9 @@ from collections.abc import Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from coordinator.remote import CHANNEL_OPTIONS
 from coordinator.resilience import EndpointBreaker, NoWorkerAvailable, ResilienceConfig, TransitionLog
+from coordinator.workers import RemoteWorker
 from specmesh.security import ClientSecurity
-from specmesh.v1 import specmesh_pb2 as pb
-from specmesh.v1 import specmesh_pb2_grpc as pb_grpc
 
 log = logging.getLogger("specmesh.fleet")
 
@@ -48,14 +46,13 @@ def expand_targets(targets: Sequence[str]) -> list[str]:
     return addresses
 
 
-class Endpoint:
-    """One worker: channel, stubs, breaker, and its health as reported by a grpc.health.v1 Watch stream."""
+class Endpoint(RemoteWorker):
+    """One worker of a pool: its channel and stubs, a breaker, and its health as reported by a grpc.health.v1 Watch
+    stream."""
 
     def __init__(self, address: str, role: str, config: ResilienceConfig, transitions: TransitionLog,
                  health_log: Counter, security: ClientSecurity) -> None:
-        self.address, self.role = address, role
-        self.channel = security.channel(address, CHANNEL_OPTIONS)
-        self.stub = (pb_grpc.DrafterStub if role == "drafter" else pb_grpc.VerifierStub)(self.channel)
+        super().__init__(address, role, security)
         self.breaker = EndpointBreaker(f"{role}@{address}", config, transitions)
         self.serving = False
         self.sessions = 0  # generations currently pinned here
@@ -87,24 +84,15 @@ class Endpoint:
             self._closed.wait(backoff)
             backoff = min(backoff * 2, 2.0)
 
-    def wait_serving(self, timeout_s: float) -> bool:
+    def wait_serving(self, timeout_s: float, process=None, on_wait=None) -> bool:
         deadline = time.monotonic() + timeout_s
         while not self.serving and time.monotonic() < deadline and not self._closed.is_set():
             time.sleep(0.05)
         return self.serving
 
-    def info(self, timeout_s: float = 10.0) -> pb.InfoResponse:
-        return self.stub.Info(pb.InfoRequest(), timeout=timeout_s)
-
-    def end_session(self, session_id: str) -> None:
-        try:
-            self.stub.EndSession(pb.EndSessionRequest(session_id=session_id), timeout=2.0)
-        except grpc.RpcError:
-            pass  # best effort: idle sessions expire on the server anyway
-
     def close(self) -> None:
         self._closed.set()
-        self.channel.close()
+        super().close()
 
 
 class WorkerPool:

@@ -82,7 +82,7 @@ class Endpoint(RemoteWorker):
                 pass  # the worker is gone or restarting: not serving until a new stream says otherwise
             self._set_serving(False)
             self._closed.wait(backoff)
-            backoff = min(backoff * 2, 2.0)
+            backoff = min(backoff * 2, 0.5)  # a restarted worker is seen within half a second
 
     def wait_serving(self, timeout_s: float, process=None, on_wait=None) -> bool:
         deadline = time.monotonic() + timeout_s
@@ -138,8 +138,9 @@ class WorkerPool:
             if not candidates:
                 raise NoWorkerAvailable(f"no {self.role} is serving with a closed breaker "
                                         f"({', '.join(e.address for e in self.endpoints)})")
-            # Fewest pinned sessions first; ties go to the earliest listed endpoint, so placement is predictable.
-            return min(candidates, key=lambda e: e.sessions)
+            # Closed breakers before probing ones (a half-open endpoint may still be dead), then fewest pinned
+            # sessions; ties go to the earliest listed endpoint, so placement is predictable.
+            return min(candidates, key=lambda e: (e.breaker.state != "closed", e.sessions))
 
     def close(self) -> None:
         for endpoint in self.endpoints:

@@ -67,6 +67,7 @@ class Slot:
         self.on_up = None  # called (on the restart thread) once a restarted process is SERVING
         self.restart_failures = 0
         self.lock = threading.Lock()
+        self.closing = threading.Event()  # set by stop(): no restart may start a process any more
 
     @property
     def address(self) -> str:
@@ -82,8 +83,10 @@ class Slot:
 
     def signal(self, signum: int, restart_delay_s: float, grace_s: float, deadline: float) -> bool:
         """Send the signal, then (on a thread) wait for the exit and start a new process on the same port."""
-        with self.lock:
-            if not self.up.is_set() or self.worker is None:
+        if not self.lock.acquire(blocking=False):  # a restart is starting a process: never stall a generation
+            return False
+        try:
+            if not self.up.is_set() or self.worker is None or self.closing.is_set():
                 return False
             self.up.clear()
             process = self.worker.process
@@ -94,6 +97,8 @@ class Slot:
                                               name=f"restart-{self.name}", daemon=True)
             self.restarter.start()
             return True
+        finally:
+            self.lock.release()
 
     def _restart(self, process, delay_s: float, grace_s: float, deadline: float) -> None:
         try:
@@ -104,10 +109,13 @@ class Slot:
         self.worker.stop(timeout_s=1)  # closes its log handle
         time.sleep(delay_s)
         for attempt in range(5):  # the port may take a moment to be free again
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline or self.closing.is_set():
                 break
             try:
-                self.start(wait=False)
+                with self.lock:
+                    if self.closing.is_set():
+                        return
+                    self.start(wait=False)  # under the lock: stop() either sees this process or prevents it
                 self.worker.wait_serving(timeout_s=max(1.0, deadline - time.monotonic()))
                 self.restarts += 1
                 self.restart_s.append(time.monotonic() - self.signalled_at)
@@ -116,6 +124,8 @@ class Slot:
                     self.on_up(self)
                 return
             except WorkerError as e:
+                if self.closing.is_set():
+                    return
                 log(f"  restart of {self.name} failed (attempt {attempt + 1}): {str(e).splitlines()[0]}")
                 if self.worker is not None:
                     self.worker.stop(timeout_s=1)
@@ -123,10 +133,13 @@ class Slot:
         self.restart_failures += 1
 
     def stop(self) -> None:
+        with self.lock:
+            self.closing.set()
+            worker = self.worker
+        if worker is not None:
+            worker.stop(timeout_s=5)  # a restart waiting for this process to serve sees it exit and gives up
         if self.restarter is not None:
-            self.restarter.join(timeout=1)
-        if self.worker is not None:
-            self.worker.stop(timeout_s=5)
+            self.restarter.join(timeout=15)
 
 
 @dataclass

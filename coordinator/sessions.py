@@ -161,8 +161,8 @@ class DegradingDraftSession:
             response = self.link.sync.call(rpc)
         except grpc.RpcError as e:
             self.link.record(endpoint, e)
-            if not is_retryable(e) and e.code() not in BREAKER_FAILURES:
-                raise  # a bad request is a bug worth surfacing, not a fault to hide
+            # Whatever went wrong (the drafter died, or cannot take this history: a smaller vocabulary or context
+            # than the target's), the generation goes on: this round is plain target decoding.
             log.warning("drafter %s failed (%s): this round decodes without drafts", endpoint.address, e.code().name)
             self.link.detach()
             self.stats.degraded_rounds += 1

@@ -30,7 +30,7 @@ import torch
 from grpc_health.v1 import health_pb2
 
 from drafter.engine import Proposal
-from specmesh import models
+from specmesh import metrics, models
 from specmesh.fingerprint import tokenizer_fingerprint
 from specmesh.history import EMPTY_HASH, ResyncRequired, TokenHistory
 from specmesh.models import LoadedModel
@@ -268,6 +268,13 @@ class NgramSessionStore:
             self._sessions.expire()
             return len(self._sessions)
 
+    @property
+    def cache_bytes(self) -> int:
+        return 0  # no KV cache (reported as the specmesh_kv_cache_bytes metric)
+
+    def enforce_memory(self) -> None:
+        """Nothing to evict for memory: a session is a token list and its index, bounded by count and TTL."""
+
 
 class NgramEngine:
     """DraftEngine's interface (propose / warm_up / loaded / sessions), drafting by prompt lookup."""
@@ -305,6 +312,7 @@ class NgramEngine:
 
 class NgramWorkerServer(WorkerServer):
     """A drafter WorkerServer that never loads model weights: `load()` builds an NgramModelInfo from the tokenizer.
+    It mirrors WorkerServer.load (context limit, warm-up, metrics, SERVING), which needs `loaded.model.config`.
 
     `preloaded` may be an NgramModelInfo, or a LoadedModel whose tokenizer and vocabulary width are borrowed.
     """
@@ -331,6 +339,13 @@ class NgramWorkerServer(WorkerServer):
         engine = self._engine_factory(info, self)
         engine.warm_up()
         self.engine = engine
+        # As WorkerServer.load (keep in step with it): the same scrape-time gauges.
+        role = self.config.role
+        metrics.register_state(f"{role}:{self.port}", lambda: [
+            metrics.gauge("specmesh_active_sessions", "sessions whose KV cache this worker holds", ["role"],
+                          [([role], len(engine.sessions))]),
+            metrics.gauge("specmesh_kv_cache_bytes", "bytes of keys/values cached across sessions", ["role"],
+                          [([role], engine.sessions.cache_bytes)])])
         self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info("drafter ready: method=ngram (n=%d..%d) tokenizer=%s vocab=%d port=%d", engine.config.min_ngram,
                  engine.config.max_ngram, info.name, info.vocab_size, self.port)

@@ -3,7 +3,10 @@ models (float64) whose output must equal the target's own greedy decoding."""
 
 from __future__ import annotations
 
+import logging
+
 import grpc
+import prometheus_client
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -194,6 +197,9 @@ def test_ngram_drafter_info_and_empty_proposal(ngram_drafter, tiny_target):
         assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     finally:
         worker.close()
+    # The worker's scrape-time gauges are registered as for a model drafter (no KV cache: 0 bytes).
+    scraped = prometheus_client.generate_latest().decode()
+    assert 'specmesh_kv_cache_bytes{role="drafter"} 0.0' in scraped
 
 
 def test_ngram_drafter_with_another_tokenizer_is_refused(verifier, tiny_target):
@@ -223,9 +229,12 @@ def test_drafter_cli_serves_ngram(tiny_target):
     (drafter_main, ["--method", "beam"], "invalid choice"),
 ])
 def test_cli_refuses_bad_method_options(main, args, message, capsys):
+    handlers = logging.root.handlers[:]  # serve_main's logging.basicConfig would leave a handler on capsys' stream
     try:
         status = main(["serve", "--model", "tiny-random-qwen2", "--port", "0", *args])
     except SystemExit as e:  # argparse's own errors
         status = e.code
+    finally:
+        logging.root.handlers[:] = handlers
     assert status == 2
     assert message in capsys.readouterr().err

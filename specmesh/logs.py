@@ -25,11 +25,23 @@ class _Ids(logging.Filter):
         return True
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever sys.stderr is at the time (it may be swapped, e.g. by test runners)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
 def configure_logging(process: str, log_format: str = "auto", level: str = "INFO") -> None:
     if log_format not in ("auto", "json", "text"):
         raise ValueError(f"log format must be auto, json or text, got {log_format!r}")
     use_json = log_format == "json" or (log_format == "auto" and not sys.stderr.isatty())
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _StderrHandler()
     handler.addFilter(_Ids(process))
     if use_json:
         handler.setFormatter(JsonFormatter(

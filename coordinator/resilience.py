@@ -89,27 +89,39 @@ class EndpointBreaker:
         self.breaker = pybreaker.CircuitBreaker(fail_max=config.breaker_fail_max,
                                                 reset_timeout=config.breaker_reset_s, name=name,
                                                 listeners=[listener])
+        self._probe_started: float | None = None
 
     @property
     def state(self) -> str:
         return self.breaker.current_state
 
     def allows_call(self) -> bool:
+        """Closed: yes. Open: only once reset_timeout has passed, and only while no probe is in flight (one caller
+        tests a possibly dead worker; the others go elsewhere meanwhile). No side effects: pools ask freely."""
         if self.breaker.current_state != pybreaker.STATE_OPEN:
             return True
+        now = time.time()
         opened_at = self.breaker._state_storage.opened_at  # pybreaker keeps no public accessor for this
-        if opened_at is None:
-            return True
-        elapsed = time.time() - opened_at.timestamp()
-        return elapsed >= self.breaker.reset_timeout  # time for a half-open probe
+        if opened_at is not None and now - opened_at.timestamp() < self.breaker.reset_timeout:
+            return False
+        probe = self._probe_started
+        return probe is None or now - probe >= self.breaker.reset_timeout  # a probe that never reported is stale
+
+    def begin_call(self) -> None:
+        """Called just before an RPC to this endpoint: if the breaker is open, this call is the half-open probe."""
+        if self.breaker.current_state == pybreaker.STATE_OPEN:
+            self._probe_started = time.time()
 
     def record_success(self) -> None:
+        self._probe_started = None
         try:
             self.breaker.call(lambda: None)
         except pybreaker.CircuitBreakerError:
             pass  # still open (a concurrent failure re-opened it): nothing to record
 
     def record_failure(self) -> None:
+        self._probe_started = None
+
         def fail() -> None:
             raise _Recorded()
 

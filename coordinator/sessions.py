@@ -74,6 +74,10 @@ class PinnedSession:
                 endpoint.end_session(session_id)
         self.detach()
 
+    def begin(self, endpoint: Endpoint) -> Endpoint:
+        endpoint.breaker.begin_call()
+        return endpoint
+
     def record(self, endpoint: Endpoint, error: grpc.RpcError | None) -> None:
         if error is None:
             endpoint.breaker.record_success()
@@ -90,7 +94,7 @@ class FailoverTargetSession:
     def _verify_once(self, draft: Draft, failed: list[Endpoint]) -> pb.VerifyResponse:
         previous = self.link.endpoint
         try:
-            endpoint = self.link.attach(avoid=failed[-1]) if failed else self.link.current()
+            endpoint = self.link.begin(self.link.attach(avoid=failed[-1]) if failed else self.link.current())
         except NoWorkerAvailable:
             self.stats.retries += 1  # nothing to call right now: wait (backoff) for a verifier to come back
             raise
@@ -148,7 +152,7 @@ class DegradingDraftSession:
 
     def propose(self, k: int) -> Draft:
         try:
-            endpoint = self.link.current()
+            endpoint = self.link.begin(self.link.current())
         except NoWorkerAvailable:
             self.stats.degraded_rounds += 1
             return Draft()  # no drafter: this round is plain target decoding

@@ -10,7 +10,7 @@ from specmesh.history import EMPTY_HASH
 from specmesh.models import LoadedModel
 from specmesh.sampling import SamplingParams, SparseDist, draft_sample
 from specmesh.serving import Cancelled
-from specmesh.sessions import SessionLimits, SessionStore
+from specmesh.sessions import SessionLimits, SessionStore, kv_sessions
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ class DraftEngine:
 
     def __init__(self, loaded: LoadedModel, limits: SessionLimits = SessionLimits()) -> None:
         self.loaded = loaded
-        self.sessions = SessionStore(loaded.model, limits)
+        self.sessions = SessionStore(limits, kv_sessions(loaded.model))
         self._lock = threading.Lock()  # one forward pass at a time: CPU threads are already all in use
 
     def propose(self, session_id: str, base_length: int, base_hash: int, new_tokens: list[int], k: int,

@@ -18,28 +18,24 @@ plain target decoding.
 from __future__ import annotations
 
 import json
-import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import cachetools
 import torch
-from grpc_health.v1 import health_pb2
 
 from drafter.engine import Proposal
-from specmesh import metrics, models
+from specmesh import models
 from specmesh.fingerprint import tokenizer_fingerprint
-from specmesh.history import EMPTY_HASH, ResyncRequired, TokenHistory
+from specmesh.history import EMPTY_HASH, TokenHistory
 from specmesh.models import LoadedModel
 from specmesh.sampling import SamplingParams, SparseDist
 from specmesh.serving import Cancelled, WorkerConfig, WorkerServer
-from specmesh.sessions import SessionLimits
+from specmesh.sessions import SessionLimits, SessionStore
 from specmesh.tokenizer import load_tokenizer
 
-log = logging.getLogger(__name__)
 
 DEFAULT_MIN_NGRAM = 1
 DEFAULT_MAX_NGRAM = 3
@@ -237,43 +233,7 @@ def load_ngram_info(spec: str, vocab_size: int | None = None, progress: bool = T
 class NgramSession:
     history: TokenHistory
     index: NgramIndex
-
-
-class NgramSessionStore:
-    """SessionStore's interface (synced / end / len) for sessions without a KV cache: history + n-gram index."""
-
-    def __init__(self, limits: SessionLimits = SessionLimits(), config: NgramConfig = NgramConfig()) -> None:
-        self._config = config
-        self._sessions: cachetools.TTLCache = cachetools.TTLCache(maxsize=limits.max_sessions, ttl=limits.idle_ttl_s)
-        self._lock = threading.Lock()
-
-    def synced(self, session_id: str, base_length: int, base_hash: int, new_tokens: list[int]) -> NgramSession:
-        with self._lock:
-            session = self._sessions.get(session_id)
-            if session is None:
-                if base_length != 0:
-                    raise ResyncRequired(f"unknown session {session_id!r}")
-                session = NgramSession(TokenHistory(), NgramIndex(self._config))
-            self._sessions[session_id] = session  # refreshes LRU order and TTL
-        session.history.apply_sync(base_length, base_hash, new_tokens)
-        session.index.update(session.history)
-        return session
-
-    def end(self, session_id: str) -> bool:
-        with self._lock:
-            return self._sessions.pop(session_id, None) is not None
-
-    def __len__(self) -> int:
-        with self._lock:
-            self._sessions.expire()
-            return len(self._sessions)
-
-    @property
-    def cache_bytes(self) -> int:
-        return 0  # no KV cache (reported as the specmesh_kv_cache_bytes metric)
-
-    def enforce_memory(self) -> None:
-        """Nothing to evict for memory: a session is a token list and its index, bounded by count and TTL."""
+    num_bytes = 0  # no KV cache: a token list and its index, bounded by the store's count and TTL
 
 
 class NgramEngine:
@@ -283,7 +243,7 @@ class NgramEngine:
                  config: NgramConfig = NgramConfig()) -> None:
         self.loaded = loaded
         self.config = config
-        self.sessions = NgramSessionStore(limits, config)
+        self.sessions = SessionStore(limits, lambda: NgramSession(TokenHistory(), NgramIndex(config)))
         # Sync + lookup take microseconds: one lock keeps a session's history and index consistent under concurrent
         # calls (same session id from a retry) without a lock per session.
         self._lock = threading.Lock()
@@ -294,6 +254,7 @@ class NgramEngine:
             raise Cancelled("the call was cancelled or its deadline passed before drafting")
         with self._lock:
             session = self.sessions.synced(session_id, base_length, base_hash, new_tokens)
+            session.index.update(session.history)
             tokens = tuple(session.index.propose(session.history.tokens, k))
             committed = len(session.history)
         # Deterministic proposal: under sampling q is a point mass on each proposed token (seed is not needed).
@@ -311,8 +272,8 @@ class NgramEngine:
 
 
 class NgramWorkerServer(WorkerServer):
-    """A drafter WorkerServer that never loads model weights: `load()` builds an NgramModelInfo from the tokenizer.
-    It mirrors WorkerServer.load (context limit, warm-up, metrics, SERVING), which needs `loaded.model.config`.
+    """A drafter WorkerServer that never loads model weights: it builds an NgramModelInfo from the tokenizer, and
+    WorkerServer.load does the rest (context limit, warm-up, metrics, SERVING).
 
     `preloaded` may be an NgramModelInfo, or a LoadedModel whose tokenizer and vocabulary width are borrowed.
     """
@@ -324,7 +285,7 @@ class NgramWorkerServer(WorkerServer):
         self._ngram_preloaded = preloaded
         self._vocab_size = vocab_size
 
-    def load(self) -> None:
+    def obtain_model(self) -> NgramModelInfo:
         preloaded = self._ngram_preloaded
         if isinstance(preloaded, NgramModelInfo):
             info = preloaded
@@ -334,22 +295,12 @@ class NgramWorkerServer(WorkerServer):
             info = load_ngram_info(self.config.model, self._vocab_size)
         if self._vocab_size is not None and info.vocab_size != self._vocab_size:
             info = replace(info, vocab_size=self._vocab_size)
-        limit = info.max_position_embeddings or 2**31 - 1
-        self.max_context_length = min(self.config.max_context_length or limit, limit)
-        engine = self._engine_factory(info, self)
-        engine.warm_up()
-        self.engine = engine
-        # As WorkerServer.load (keep in step with it): the same scrape-time gauges.
-        role = self.config.role
-        metrics.register_state(f"{role}:{self.port}", lambda: [
-            metrics.gauge("specmesh_active_sessions", "sessions whose KV cache this worker holds", ["role"],
-                          [([role], len(engine.sessions))]),
-            metrics.gauge("specmesh_kv_cache_bytes", "bytes of keys/values cached across sessions", ["role"],
-                          [([role], engine.sessions.cache_bytes)])])
-        self._set_health(health_pb2.HealthCheckResponse.SERVING)
-        log.info("drafter ready: method=ngram (n=%d..%d) tokenizer=%s vocab=%d port=%d", engine.config.min_ngram,
-                 engine.config.max_ngram, info.name, info.vocab_size, self.port)
+        return info
+
+    @staticmethod
+    def context_limit(info: NgramModelInfo) -> int | None:
+        return info.max_position_embeddings
 
 
-__all__ = ["NgramConfig", "NgramEngine", "NgramIndex", "NgramModelInfo", "NgramSessionStore", "NgramWorkerServer",
+__all__ = ["NgramConfig", "NgramEngine", "NgramIndex", "NgramModelInfo", "NgramSession", "NgramWorkerServer",
            "continue_from", "load_ngram_info", "lookup"]

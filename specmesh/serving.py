@@ -221,11 +221,19 @@ class WorkerServer:
     def start(self) -> None:
         self._server.start()
 
+    def obtain_model(self):
+        """What the engine runs on (a LoadedModel here; subclasses may build something lighter)."""
+        return self._preloaded or load_model(self.config.model, device=self.config.device, dtype=self.config.dtype,
+                                             threads=self.config.threads)
+
+    @staticmethod
+    def context_limit(loaded) -> int | None:
+        return getattr(loaded.model.config, "max_position_embeddings", None)
+
     def load(self) -> None:
         """Load the model, run a warm-up pass, then report SERVING."""
-        loaded = self._preloaded or load_model(self.config.model, device=self.config.device, dtype=self.config.dtype,
-                                               threads=self.config.threads)
-        model_limit = getattr(loaded.model.config, "max_position_embeddings", None) or 2**31 - 1
+        loaded = self.obtain_model()
+        model_limit = self.context_limit(loaded) or 2**31 - 1
         self.max_context_length = min(self.config.max_context_length or model_limit, model_limit)
         engine = self._engine_factory(loaded, self)
         engine.warm_up()

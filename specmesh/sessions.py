@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import cachetools
 import torch
@@ -32,13 +34,23 @@ class Session:
     history: TokenHistory
     sequence: CachedSequence
 
+    @property
+    def num_bytes(self) -> int:
+        return self.sequence.num_bytes
+
+
+def kv_sessions(model: torch.nn.Module) -> Callable[[], Session]:
+    """Session factory for a model-backed engine: each session gets its own KV cache of `model`."""
+    return lambda: Session(TokenHistory(), CachedSequence(model))
+
 
 class SessionStore:
-    """Maps session ids to Sessions. cachetools.TTLCache evicts the least recently used entry when full and drops
-    entries idle longer than the TTL; an evicted session is simply rebuilt by the client's resync."""
+    """Maps session ids to sessions (anything with a `history` TokenHistory and a `num_bytes` size), made by
+    `new_session`. cachetools.TTLCache evicts the least recently used entry when full and drops entries idle longer
+    than the TTL; an evicted session is simply rebuilt by the client's resync."""
 
-    def __init__(self, model: torch.nn.Module, limits: SessionLimits) -> None:
-        self._model = model
+    def __init__(self, limits: SessionLimits, new_session: Callable[[], Any]) -> None:
+        self._new_session = new_session
         self._max_cache_bytes = limits.max_cache_bytes
         self._sessions: cachetools.TTLCache = cachetools.TTLCache(maxsize=limits.max_sessions, ttl=limits.idle_ttl_s)
         self._lock = threading.Lock()
@@ -50,7 +62,7 @@ class SessionStore:
             if session is None:
                 if base_length != 0:
                     raise ResyncRequired(f"unknown session {session_id!r}")
-                session = Session(TokenHistory(), CachedSequence(self._model))
+                session = self._new_session()
             self._sessions[session_id] = session  # (re)insert: refreshes both LRU order and TTL
         session.history.apply_sync(base_length, base_hash, new_tokens)
         return session
@@ -65,7 +77,7 @@ class SessionStore:
                 self._sessions.popitem()  # TTLCache.popitem removes the least recently used entry
 
     def cache_bytes_locked(self) -> int:
-        return sum(session.sequence.num_bytes for session in self._sessions.values())
+        return sum(session.num_bytes for session in self._sessions.values())
 
     @property
     def cache_bytes(self) -> int:

@@ -8,7 +8,7 @@ from coordinator.loop import Draft, DraftLength, LoopConfig, speculative_decode
 from drafter.engine import DraftEngine
 from specmesh.history import TokenHistory
 from specmesh.sampling import SamplingParams
-from specmesh.sessions import SessionLimits, SessionStore
+from specmesh.sessions import SessionLimits, SessionStore, kv_sessions
 from tests.helpers import reference_greedy
 from verifier.engine import VerifyEngine
 
@@ -94,7 +94,7 @@ def test_adaptive_draft_length_follows_the_heuristic():
 
 
 def test_session_store_evicts_least_recently_used_and_idle(tiny_target):
-    store = SessionStore(tiny_target.model, SessionLimits(max_sessions=2, idle_ttl_s=3600))
+    store = SessionStore(SessionLimits(max_sessions=2, idle_ttl_s=3600), kv_sessions(tiny_target.model))
     from specmesh.history import EMPTY_HASH
     for sid in ("a", "b"):
         store.synced(sid, 0, EMPTY_HASH, [1, 2])
@@ -102,7 +102,7 @@ def test_session_store_evicts_least_recently_used_and_idle(tiny_target):
     store.synced("c", 0, EMPTY_HASH, [1])
     assert set(store._sessions) == {"a", "c"}
     clock = [0.0]
-    expiring = SessionStore(tiny_target.model, SessionLimits(max_sessions=8, idle_ttl_s=10))
+    expiring = SessionStore(SessionLimits(max_sessions=8, idle_ttl_s=10), kv_sessions(tiny_target.model))
     expiring._sessions = type(expiring._sessions)(maxsize=8, ttl=10, timer=lambda: clock[0])
     expiring.synced("x", 0, EMPTY_HASH, [1])
     clock[0] = 11.0

@@ -9,7 +9,7 @@ from specmesh.acceptance import Verdict, decide
 from specmesh.history import EMPTY_HASH
 from specmesh.models import LoadedModel
 from specmesh.sampling import SamplingParams, SparseDist
-from specmesh.sessions import SessionLimits, SessionStore
+from specmesh.sessions import SessionLimits, SessionStore, kv_sessions
 
 
 @dataclass(frozen=True)
@@ -21,7 +21,7 @@ class VerifyOutcome:
 class VerifyEngine:
     def __init__(self, loaded: LoadedModel, limits: SessionLimits = SessionLimits()) -> None:
         self.loaded = loaded
-        self.sessions = SessionStore(loaded.model, limits)
+        self.sessions = SessionStore(limits, kv_sessions(loaded.model))
         self._lock = threading.Lock()  # one forward pass at a time
 
     def verify(self, session_id: str, base_length: int, base_hash: int, new_tokens: list[int],

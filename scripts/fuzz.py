@@ -11,7 +11,6 @@ import argparse
 import json
 import os
 import random
-import socket
 import sys
 import tempfile
 import time
@@ -22,12 +21,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import grpc  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
 
 from coordinator import Coordinator, GenerationOptions  # noqa: E402
 from coordinator.workers import LocalWorker, LocalWorkerSpec, RemoteWorker  # noqa: E402
 from specmesh.models import load_model  # noqa: E402
-from tests.fuzz_strategies import END, PROPER, PROPOSE, VERIFY, call  # noqa: E402
+from tests.fuzz_strategies import END, PROPER, PROPOSE, VERIFY, call, send_garbage  # noqa: E402
 from tests.helpers import reference_greedy  # noqa: E402
 
 
@@ -82,13 +80,7 @@ def main() -> int:
         for _ in range(args.garbage):
             garbage = rng.randbytes(rng.randint(1, 4096))
             try:
-                with socket.create_connection(("127.0.0.1", verifier.port), timeout=5) as raw:
-                    raw.sendall(garbage)
-                    raw.settimeout(1)
-                    try:
-                        raw.recv(1024)
-                    except (socket.timeout, ConnectionError):
-                        pass
+                send_garbage(verifier.port, garbage, reply_timeout_s=1)
                 answers[("raw-socket", "closed")] += 1
             except OSError as e:
                 crashes.append(f"raw socket: {e}")

@@ -3,6 +3,8 @@ scripts/fuzz.py)."""
 
 from __future__ import annotations
 
+import socket
+
 import grpc
 from hypothesis import strategies as st
 
@@ -45,3 +47,14 @@ def call(stub_method, request, timeout_s: float = 20.0) -> grpc.StatusCode:
         return grpc.StatusCode.OK
     except grpc.RpcError as e:
         return e.code()
+
+
+def send_garbage(port: int, garbage: bytes, reply_timeout_s: float) -> None:
+    """Open a raw TCP connection to a loopback server, send bytes that are not HTTP/2, read what comes back, close."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:
+        raw.sendall(garbage)
+        raw.settimeout(reply_timeout_s)
+        try:
+            raw.recv(1024)
+        except (socket.timeout, ConnectionError):
+            pass

@@ -3,7 +3,6 @@ request gets OK or a proper error, nothing crashes or hangs, and valid requests 
 
 from __future__ import annotations
 
-import socket
 
 import grpc
 import pytest
@@ -13,7 +12,7 @@ from hypothesis import strategies as st
 from coordinator import Coordinator, GenerationOptions
 from coordinator.workers import RemoteWorker
 from drafter.service import run_server as run_drafter
-from tests.fuzz_strategies import END, PROPER, PROPOSE, VERIFY, call
+from tests.fuzz_strategies import END, PROPER, PROPOSE, VERIFY, call, send_garbage
 from tests.helpers import reference_greedy
 from verifier.service import run_server as run_verifier
 
@@ -62,14 +61,7 @@ def test_garbage_bytes_as_a_request_body(servers, garbage):
 @settings(max_examples=30, deadline=None)
 @given(garbage=st.binary(min_size=1, max_size=4096))
 def test_garbage_bytes_on_the_socket(servers, garbage):
-    port = servers[0].port
-    with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:
-        raw.sendall(garbage)
-        raw.settimeout(2)
-        try:
-            raw.recv(1024)
-        except (socket.timeout, ConnectionError):
-            pass
+    send_garbage(servers[0].port, garbage, reply_timeout_s=2)
     assert servers[2].is_serving()
 
 

@@ -10,6 +10,8 @@ from transformers import DynamicCache
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
+    if a[:n] == b[:n]:  # the usual case (the cache is a prefix of the request): one C-level comparison
+        return n
     for i in range(n):
         if a[i] != b[i]:
             return i

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from coordinator.draft_length import DEFAULT_POLICY, POLICIES
 from coordinator.fleet import WorkerPool
 from coordinator.loop import DraftLength, LoopConfig, LoopResult, speculative_decode
 from coordinator.record import Recorder
@@ -52,6 +53,7 @@ class GenerationFailed(RuntimeError):
 class GenerationOptions:
     max_new_tokens: int = 256
     draft_tokens: int | None = None  # None: adaptive draft length; 0: target-only decoding
+    draft_policy: str = DEFAULT_POLICY  # adaptive k: "heuristic" (HF's +2/-1) or "cost" (coordinator/draft_length.py)
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -64,6 +66,8 @@ class GenerationOptions:
             raise ValueError(f"max_new_tokens must be in 1..{MAX_NEW_TOKENS}, got {self.max_new_tokens}")
         if self.draft_tokens is not None and not 0 <= self.draft_tokens <= 64:
             raise ValueError(f"draft_tokens must be in 0..64, got {self.draft_tokens}")
+        if self.draft_policy not in POLICIES:
+            raise ValueError(f"draft_policy must be one of {', '.join(POLICIES)}, got {self.draft_policy!r}")
         if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
             raise ValueError(f"seed must be in 0..2**64-1, got {self.seed}")
         self.sampling  # validates temperature, top_p, top_k
@@ -195,7 +199,8 @@ class Coordinator:
             raise ValueError("the prompt is empty")
         seed = options.seed if options.seed is not None else (random.getrandbits(63) if options.temperature else 0)
         use_drafter = self.drafters is not None and options.draft_tokens != 0
-        draft_length = DraftLength() if options.draft_tokens is None else DraftLength.fixed(options.draft_tokens)
+        draft_length = (DraftLength(policy=options.draft_policy) if options.draft_tokens is None
+                        else DraftLength.fixed(options.draft_tokens))
         config = LoopConfig(max_new_tokens=options.max_new_tokens, eos_token_ids=self.eos_token_ids,
                             draft_length=draft_length)
         session_id = new_session_id()

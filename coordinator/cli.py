@@ -1,13 +1,16 @@
-"""`coordinator generate ...`, `coordinator serve ...` and `coordinator models list|pull`."""
+"""`coordinator generate ...`, `coordinator serve ...`, `coordinator models list|pull` and `coordinator bench ...`."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from pathlib import Path
 
+from coordinator.draft_length import DEFAULT_POLICY, POLICIES
 from specmesh import catalog
 from specmesh import config as flag_config
 from specmesh.config import add_config_argument
@@ -28,6 +31,10 @@ def add_fleet_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="device of locally started workers (default: auto)")
     p.add_argument("--draft-tokens", type=int, default=None,
                    help="fixed draft length k; 0 = target-only decoding (default: adaptive)")
+    p.add_argument("--draft-policy", choices=POLICIES, default=DEFAULT_POLICY,
+                   help="how adaptive k is chosen: heuristic = +2 after a fully accepted round, -1 otherwise (HF's); "
+                   "cost = the k maximising measured tokens/s from acceptance rate, draft and verify times, "
+                   f"down to k = 0 when drafting does not pay (default: {DEFAULT_POLICY})")
     p.add_argument("--connect-timeout", type=float, default=60.0,
                    help="seconds to wait at start for a SERVING verifier (and drafter) (default: 60)")
     add_resilience_arguments(p)
@@ -139,6 +146,7 @@ def generate(args: argparse.Namespace) -> int:
     try:
         configure_logging("coordinator", args.log_format, args.log_level or "WARNING")
         options = GenerationOptions(max_new_tokens=args.max_new_tokens, draft_tokens=args.draft_tokens,
+                                    draft_policy=args.draft_policy,
                                     temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                     seed=args.seed, stop=tuple(args.stop), chat=not args.no_chat)
         resilience_from(args), security_from(args)
@@ -194,7 +202,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         with connected(args, progress=True) as coordinator:
             app = create_app(coordinator, default_max_tokens=args.default_max_tokens,
-                             draft_tokens=args.draft_tokens)
+                             draft_tokens=args.draft_tokens, draft_policy=args.draft_policy)
             host, port = listener.getsockname()[:2]
             print(f"LISTENING http://{host}:{port}", flush=True)
             uvicorn.Server(uvicorn.Config(app, log_level="info")).run(sockets=[listener])
@@ -228,6 +236,27 @@ def models_pull(args: argparse.Namespace) -> int:
 
 LEAF_PARSERS: dict[str, argparse.ArgumentParser] = {}
 
+# Benchmarks live in scripts/ (they are tools, not library code); these commands run them from a source checkout.
+SCRIPT_COMMANDS = {
+    "bench": ("bench.py", "side-by-side benchmark: target-only, speculative, n-gram and HF transformers baselines"),
+    "bench-concurrency": ("bench_concurrency.py",
+                          "aggregate tokens/s of concurrent generations with and without cross-session batching"),
+}
+
+
+def run_script(command: str, argv: list[str]) -> int:
+    """Run scripts/<file>'s main(argv) (`coordinator bench --help` shows that script's own flags)."""
+    script = Path(__file__).resolve().parent.parent / "scripts" / SCRIPT_COMMANDS[command][0]
+    if not script.is_file():
+        print(f"coordinator {command}: error: {script} not found; `coordinator {command}` runs from a source "
+              "checkout (pip install -e .)", file=sys.stderr)
+        return 2
+    spec = importlib.util.spec_from_file_location(f"specmesh_scripts_{script.stem}", script)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the script runs
+    spec.loader.exec_module(module)
+    return module.main(argv)
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="coordinator", description="specmesh coordinator: distributed "
@@ -243,6 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_argument(srv)
     LEAF_PARSERS["serve"] = srv
     srv.set_defaults(func=serve)
+    for name, (_, help_text) in SCRIPT_COMMANDS.items():
+        commands.add_parser(name, help=help_text, add_help=False)  # main() hands its arguments to the script
     models = commands.add_parser("models", help="the built-in model catalog")
     models_commands = models.add_subparsers(dest="models_command", required=True)
     models_commands.add_parser("list", help="list catalog models").set_defaults(func=models_list)
@@ -257,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # Flags also come from SPECMESH_* variables and a --config TOML file (specmesh/config.py).
     command = argv[0] if argv else None
+    if command in SCRIPT_COMMANDS:
+        return run_script(command, argv[1:])
     if command in LEAF_PARSERS:
         leaf = LEAF_PARSERS[command]
         known, _ = leaf.parse_known_args(argv[1:])

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from coordinator.draft_length import DraftLength
 from specmesh.acceptance import Verdict
 from specmesh.sampling import SparseDist
 
@@ -34,32 +35,6 @@ class TargetSession(Protocol):
     """A verifier session: check a draft against the target model and commit the outcome."""
 
     def verify(self, draft: Draft) -> Verdict: ...
-
-
-@dataclass(frozen=True)
-class DraftLength:
-    """How many tokens to draft per round. Adaptive by default, with HF's heuristic: +2 after a round where every
-    draft was accepted, -1 otherwise, within [minimum, maximum]."""
-
-    initial: int = 4
-    adaptive: bool = True
-    minimum: int = 1
-    maximum: int = 16
-
-    def __post_init__(self) -> None:
-        if self.initial < 0 or self.minimum < 1 or self.maximum < self.minimum:
-            raise ValueError(f"invalid draft length bounds: {self}")
-        if self.adaptive and not self.minimum <= self.initial <= self.maximum:
-            raise ValueError(f"initial draft length {self.initial} outside [{self.minimum}, {self.maximum}]")
-
-    @classmethod
-    def fixed(cls, k: int) -> "DraftLength":
-        return cls(initial=k, adaptive=False, minimum=1, maximum=max(k, 1))
-
-    def next(self, k: int, all_accepted: bool) -> int:
-        if not self.adaptive:
-            return k
-        return min(self.maximum, k + 2) if all_accepted else max(self.minimum, k - 1)
 
 
 @dataclass(frozen=True)
@@ -129,5 +104,5 @@ def speculative_decode(drafter: DraftSource | None, target: TargetSession, confi
             result.finish_reason = finish
             return result
 
-        if draft.tokens:  # a round without drafts (k = 0 or a degraded drafter) says nothing about k
-            k = config.draft_length.next(k, verdict.accepted == len(draft.tokens))
+        # Adaptive draft length: decided from the rounds so far (coordinator/draft_length.py).
+        k = config.draft_length.next(k, result.rounds) if drafter is not None else 0

@@ -37,6 +37,11 @@ class CachedSequence:
             self.cache.crop(-excess)  # transformers 5: a negative count removes that many trailing tokens
             del self.cached_tokens[length:]
 
+    def reusable_length(self, sequence: Sequence[int], last_n: int) -> int:
+        """Cached tokens a request can keep: the shared prefix, but never any of the last `last_n` tokens, whose
+        logits are what the caller wants."""
+        return min(common_prefix_length(self.cached_tokens, sequence), len(sequence) - last_n)
+
     @torch.inference_mode()
     def logits_for(self, sequence: Sequence[int], last_n: int) -> torch.Tensor:
         """Logits [last_n, V] predicting the token after each of the last `last_n` positions of `sequence`.
@@ -45,8 +50,7 @@ class CachedSequence:
         """
         if not 1 <= last_n <= len(sequence):
             raise ValueError(f"last_n={last_n} out of range for a sequence of {len(sequence)} tokens")
-        # Reuse what we can, but always feed at least the last `last_n` tokens: their logits are what we need.
-        reuse = min(common_prefix_length(self.cached_tokens, sequence), len(sequence) - last_n)
+        reuse = self.reusable_length(sequence, last_n)
         self.rollback(reuse)
         fresh = torch.tensor([list(sequence[reuse:])], dtype=torch.long, device=self.model.device)
         out = self.model(input_ids=fresh, cache=self.cache, use_cache=True, logits_to_keep=last_n)

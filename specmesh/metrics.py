@@ -18,6 +18,8 @@ RPC_REQUESTS = Counter("specmesh_rpc_requests", "RPCs handled, by service, metho
                        ["service", "method", "code"])
 RPC_LATENCY = Histogram("specmesh_rpc_latency_seconds", "RPC handling time", ["service", "method"],
                         buckets=LATENCY_BUCKETS)
+VERIFY_BATCH_SIZE = Histogram("specmesh_verify_batch_size", "sessions verified together in one target forward pass",
+                              buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32))
 DRAFT_TOKENS_PROPOSED = Counter("specmesh_drafter_proposed_tokens", "draft tokens proposed by this drafter")
 
 # --- coordinator ---

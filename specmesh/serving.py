@@ -63,6 +63,7 @@ class WorkerConfig:
     token: str | None = None  # bearer token every non-health RPC must carry
     max_message_bytes: int = 4 * 1024 * 1024
     max_concurrent_rpcs: int = 64  # beyond this, calls are answered RESOURCE_EXHAUSTED
+    max_batch_size: int = 8  # verifier: concurrent sessions' Verify calls run as one forward pass of up to this many
 
     def __post_init__(self) -> None:
         if self.role not in ("drafter", "verifier"):
@@ -75,6 +76,8 @@ class WorkerConfig:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.max_message_bytes < 1024:
             raise ValueError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         if self.max_concurrent_rpcs < 1:
             raise ValueError(f"max_concurrent_rpcs must be >= 1, got {self.max_concurrent_rpcs}")
         if self.token is not None and len(self.token) < 16:

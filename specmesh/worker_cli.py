@@ -81,6 +81,13 @@ def add_drafter_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--ngram-min", type=int, default=None, help="ngram: shortest n-gram matched (default: 1)")
 
 
+def add_verifier_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("batching (verifier only)")
+    group.add_argument("--max-batch-size", type=int, default=8,
+                       help="Verify calls of different sessions that arrive while the model is busy run together in "
+                       "one forward pass of up to this many sessions; 1 turns cross-session batching off (default: 8)")
+
+
 def serve_main(role: str, build_server: Callable[..., WorkerServer], default_model: str,
                argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=role, description=f"specmesh {role} service")
@@ -89,6 +96,8 @@ def serve_main(role: str, build_server: Callable[..., WorkerServer], default_mod
     add_serve_arguments(serve, default_model)
     if role == "drafter":
         add_drafter_arguments(serve)
+    else:
+        add_verifier_arguments(serve)
     add_config_argument(serve)
     # Flags also come from SPECMESH_* variables and a --config TOML file (specmesh/config.py).
     known, _ = serve.parse_known_args((argv if argv is not None else sys.argv[1:])[1:])
@@ -108,7 +117,8 @@ def serve_main(role: str, build_server: Callable[..., WorkerServer], default_mod
                               max_draft_tokens=args.max_draft_tokens, max_context_length=args.max_context_length,
                               inject_latency_s=args.inject_latency, tls=tls, token=token,
                               max_message_bytes=args.max_message_bytes,
-                              max_concurrent_rpcs=args.max_concurrent_rpcs)
+                              max_concurrent_rpcs=args.max_concurrent_rpcs,
+                              max_batch_size=getattr(args, "max_batch_size", 1))
         warning = exposure_warning(args.host, tls, token)
         if warning:
             print(warning, file=sys.stderr, flush=True)

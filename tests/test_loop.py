@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.loop import Draft, DraftLength, LoopConfig, speculative_decode
+from coordinator.loop import Draft, DraftLength, LoopConfig, RoundRecord, speculative_decode
 from drafter.engine import DraftEngine
 from specmesh.history import TokenHistory
 from specmesh.sampling import SamplingParams
@@ -85,8 +85,11 @@ def test_loop_respects_the_token_budget(tiny_target, prompt):
 
 def test_adaptive_draft_length_follows_the_heuristic():
     d = DraftLength(initial=4, minimum=1, maximum=8)
-    assert d.next(4, True) == 6 and d.next(8, True) == 8 and d.next(4, False) == 3 and d.next(1, False) == 1
-    assert DraftLength.fixed(3).next(3, True) == 3
+    all_in, some_out = [RoundRecord(4, 4, 0.1, 0.2)], [RoundRecord(4, 2, 0.1, 0.2)]
+    assert d.next(4, all_in) == 6 and d.next(8, all_in) == 8 and d.next(4, some_out) == 3
+    assert d.next(1, some_out) == 1
+    assert d.next(5, [RoundRecord(0, 0, 0.0, 0.2)]) == 5, "a round without drafts (degraded drafter) changes nothing"
+    assert DraftLength.fixed(3).next(3, all_in) == 3
     with pytest.raises(ValueError):
         DraftLength(initial=0, minimum=1)
     with pytest.raises(ValueError):

@@ -1,15 +1,24 @@
-"""Verification of draft tokens in ONE target forward pass on a session's KV cache, free of gRPC."""
+"""Verification of draft tokens in ONE target forward pass on a session's KV cache, free of gRPC.
+
+Concurrent Verify calls of different sessions are batched into one forward pass (specmesh/batched_forward.py). There
+is no batching thread and no waiting window: each call queues its request, and whichever caller gets the model next
+runs everything queued so far. An idle server therefore adds no latency, while under load each forward pass serves
+every session that arrived during the previous one (continuous batching).
+"""
 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
+from specmesh import metrics
 from specmesh.acceptance import Verdict, decide
+from specmesh.batched_forward import MAX_BATCHED_FRESH_TOKENS, batched_logits, can_batch, fresh_length
 from specmesh.history import EMPTY_HASH
 from specmesh.models import LoadedModel
 from specmesh.sampling import SamplingParams, SparseDist
-from specmesh.sessions import SessionLimits, SessionStore, kv_sessions
+from specmesh.sessions import Session, SessionLimits, SessionStore, kv_sessions
 
 
 @dataclass(frozen=True)
@@ -18,27 +27,132 @@ class VerifyOutcome:
     committed_length: int
 
 
+@dataclass
+class _Request:
+    session_id: str
+    base_length: int
+    base_hash: int
+    new_tokens: list[int]
+    drafts: list[int]
+    dists: list[SparseDist]
+    params: SamplingParams
+    seed: int
+    done: bool = False
+    outcome: VerifyOutcome | None = None
+    error: BaseException | None = None
+    # Filled while its batch runs.
+    session: Session | None = field(default=None, repr=False)
+    start: int = 0
+
+
 class VerifyEngine:
-    def __init__(self, loaded: LoadedModel, limits: SessionLimits = SessionLimits()) -> None:
+    def __init__(self, loaded: LoadedModel, limits: SessionLimits = SessionLimits(), max_batch_size: int = 8) -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.loaded = loaded
         self.sessions = SessionStore(limits, kv_sessions(loaded.model))
-        self._lock = threading.Lock()  # one forward pass at a time
+        self.max_batch_size = max_batch_size if can_batch(loaded.model) else 1
+        self._model_lock = threading.Lock()  # one forward pass at a time
+        self._queue_lock = threading.Lock()
+        self._queue: deque[_Request] = deque()
 
     def verify(self, session_id: str, base_length: int, base_hash: int, new_tokens: list[int],
                drafts: list[int], dists: list[SparseDist], params: SamplingParams, seed: int) -> VerifyOutcome:
-        with self._lock:
-            session = self.sessions.synced(session_id, base_length, base_hash, new_tokens)
-            committed = session.history.tokens
-            start = len(committed)
-            # Row i of target_logits is the target's distribution for position start + i: k draft positions + bonus.
-            target_logits = session.sequence.logits_for(committed + list(drafts), last_n=len(drafts) + 1)
-            verdict = decide(drafts, dists, target_logits, params, seed, start)
-            # Keep the KV of the accepted drafts only; the next token's KV is computed on the next call.
-            session.sequence.rollback(start + verdict.accepted)
-            session.history.extend([*drafts[:verdict.accepted], verdict.next_token])
+        request = _Request(session_id, base_length, base_hash, list(new_tokens), list(drafts), list(dists), params,
+                           seed)
+        with self._queue_lock:
+            self._queue.append(request)
+        while not request.done:
+            with self._model_lock:
+                if not request.done:  # else another caller ran it while we waited for the model
+                    self._run_batch(self._take_batch())
+        if request.error is not None:
+            raise request.error
+        assert request.outcome is not None
+        return request.outcome
+
+    def _take_batch(self) -> list[_Request]:
+        """Up to max_batch_size queued requests, oldest first, at most one per session (a session's calls must run in
+        order: a retry can arrive while its first attempt is still queued)."""
+        with self._queue_lock:
+            batch, sessions, later = [], set(), deque()
+            while self._queue and len(batch) < self.max_batch_size:
+                request = self._queue.popleft()
+                (later if request.session_id in sessions else batch).append(request)
+                sessions.add(request.session_id)
+            self._queue.extendleft(reversed(later))
+            return batch
+
+    def _run_batch(self, batch: list[_Request]) -> None:
+        try:
+            ready = [r for r in batch if self._sync(r)]
+            # A long prompt (prefill) runs on its own: batched rows compute logits for every fresh column.
+            prefills = [r for r in ready if self._fresh_length(r) > MAX_BATCHED_FRESH_TOKENS]
+            decodes = [r for r in ready if r not in prefills]
+            for group in [*([r] for r in prefills), *([decodes] if decodes else [])]:
+                self._verify_together(group)
             self.sessions.enforce_memory()
-            return VerifyOutcome(verdict, len(session.history))
+        finally:
+            for request in batch:
+                if not request.done and request.error is None:
+                    request.error = RuntimeError("verification did not complete")
+                request.done = True
+                request.session = None
+
+    def _sync(self, request: _Request) -> bool:
+        """Bring the request's session up to the client's history; a request that cannot be synced fails alone."""
+        try:
+            request.session = self.sessions.synced(request.session_id, request.base_length, request.base_hash,
+                                                   request.new_tokens)
+        except Exception as e:  # ResyncRequired, ValueError: answered to this caller only
+            request.error = e
+            return False
+        request.start = len(request.session.history)
+        return True
+
+    @staticmethod
+    def _tokens(request: _Request) -> list[int]:
+        return request.session.history.tokens + request.drafts
+
+    def _fresh_length(self, request: _Request) -> int:
+        return fresh_length(request.session.sequence, self._tokens(request), len(request.drafts) + 1)
+
+    def _verify_together(self, group: list[_Request]) -> None:
+        try:
+            # Row i of each logits tensor is the target's distribution for position start + i: k drafts + bonus.
+            all_logits = batched_logits(self.loaded.model, [r.session.sequence for r in group],
+                                        [self._tokens(r) for r in group], [len(r.drafts) + 1 for r in group])
+        except Exception as e:
+            for request in group:
+                # The caches may hold a partial update: drop them, the clients' next calls resync.
+                self.sessions.end(request.session_id)
+                request.error = e
+            return
+        metrics.VERIFY_BATCH_SIZE.observe(len(group))
+        for request, target_logits in zip(group, all_logits):
+            try:
+                verdict = decide(request.drafts, request.dists, target_logits, request.params, request.seed,
+                                 request.start)
+            except Exception as e:
+                request.error = e
+                continue
+            session = request.session
+            # Keep the KV of the accepted drafts only; the next token's KV is computed on the next call.
+            session.sequence.rollback(request.start + verdict.accepted)
+            session.history.extend([*request.drafts[:verdict.accepted], verdict.next_token])
+            request.outcome = VerifyOutcome(verdict, len(session.history))
+            request.done = True
 
     def warm_up(self) -> None:
+        """Run one single and, when batching is on, one batched verification so the first real calls are not slow."""
         self.verify("warm-up", 0, EMPTY_HASH, [0, 1, 2, 3], [4, 5], [], SamplingParams(), 0)
+        if self.max_batch_size > 1:
+            pair = [_Request(f"warm-up-{i}", 0, EMPTY_HASH, [0, 1, 2 + i], [4], [], SamplingParams(), 0)
+                    for i in range(2)]
+            with self._model_lock:
+                self._run_batch(pair)
+            for request in pair:
+                if request.error is not None:
+                    raise request.error
+                self.sessions.end(request.session_id)
         self.sessions.end("warm-up")

@@ -1,0 +1,69 @@
+"""Adaptive draft length: the heuristic, and the cost model that picks k from measured acceptance and timings."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator.draft_length import PROBE_EVERY, CostEstimate, DraftLength, estimate_costs
+from coordinator.loop import RoundRecord
+
+
+def rounds_from(pattern: list[tuple[int, int]], draft_s_per_token: float, verify_base: float,
+                verify_per_token: float) -> list[RoundRecord]:
+    """Rounds with exact timings: draft k*c, verify base + slope*k. A first (prefill) round is prepended."""
+    prefill = RoundRecord(4, 0, 9.0, 9.0)  # absurd timings: the estimate must leave round 0 out
+    return [prefill, *(RoundRecord(k, accepted, k * draft_s_per_token, verify_base + verify_per_token * k)
+                       for k, accepted in pattern)]
+
+
+def test_estimate_recovers_the_measured_costs():
+    # 4 rounds: 3 + 4 + 1 + 2 accepted = 10 successes; rounds 1, 3 and 4 stopped early = 3 failures: a = 10/13.
+    rounds = rounds_from([(4, 3), (4, 4), (2, 1), (6, 2)], 0.02, 0.3, 0.05)
+    estimate = estimate_costs(rounds)
+    got = (estimate.acceptance, estimate.draft_s_per_token, estimate.verify_s_base, estimate.verify_s_per_token)
+    assert got == pytest.approx((10 / 13, 0.02, 0.3, 0.05))
+
+
+def test_too_little_data_gives_no_estimate():
+    assert estimate_costs(rounds_from([(4, 4), (4, 4)], 0.02, 0.3, 0.05)) is None
+    assert estimate_costs(rounds_from([(4, 4)] * 5, 0.02, 0.3, 0.05)) is None, "one k only: v(k)'s slope unknown"
+
+
+def test_expected_tokens_match_the_geometric_formula():
+    estimate = CostEstimate(0.8, 0.0, 1.0, 0.0)
+    assert estimate.expected_tokens(0) == pytest.approx(1.0)
+    assert estimate.expected_tokens(3) == pytest.approx(1 + 0.8 + 0.64 + 0.512)
+    assert CostEstimate(1.0, 0.0, 1.0, 0.0).expected_tokens(4) == pytest.approx(5.0, rel=1e-4)
+
+
+@pytest.mark.parametrize("acceptance, draft_cost, slope, expected", [
+    (0.95, 0.02, 0.0, 16),  # cheap draft, flat verify, high acceptance: draft as far as allowed
+    (0.9, 0.1, 0.0, range(8, 13)),  # each draft token costs a tenth of a pass: k near 10, not 16
+    (0.5, 0.3, 0.3, 0),  # poor acceptance, costly draft and verify: target-only is fastest
+])
+def test_best_k_follows_the_cost_model(acceptance, draft_cost, slope, expected):
+    best = CostEstimate(acceptance, draft_cost, 1.0, slope).best_k(16)
+    assert best in expected if isinstance(expected, range) else best == expected
+
+
+def test_cost_policy_drafts_more_when_it_pays_and_falls_back_to_zero_when_not():
+    policy = DraftLength(policy="cost")
+    good = rounds_from([(4, 4), (6, 6), (8, 7), (5, 5)] * 2, 0.01, 0.5, 0.01)
+    assert policy.next(4, good) > 6
+    bad = rounds_from([(4, 0), (2, 1), (3, 0), (1, 0)] * 2, 0.2, 0.5, 0.3)
+    assert policy.next(4, bad) == 0
+
+
+def test_cost_policy_probes_now_and_then_while_at_zero():
+    policy = DraftLength(policy="cost", minimum=1)
+    bad = rounds_from([(4, 0), (2, 1), (3, 0), (1, 0)] * 2, 0.2, 0.5, 0.3)
+    zeros = [RoundRecord(0, 0, 0.0, 0.5)] * (PROBE_EVERY - 2)
+    assert policy.next(0, bad + zeros) == 0
+    assert policy.next(0, bad + zeros + [RoundRecord(0, 0, 0.0, 0.5)]) == 1, "a probe round after a run of k = 0"
+
+
+def test_cost_policy_uses_the_heuristic_until_it_has_data():
+    policy = DraftLength(policy="cost")
+    assert policy.next(4, [RoundRecord(4, 4, 0.1, 0.2)]) == 6
+    with pytest.raises(ValueError, match="policy"):
+        DraftLength(policy="fastest")

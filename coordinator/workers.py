@@ -4,6 +4,7 @@ addresses."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -69,6 +70,13 @@ class RemoteWorker:
 
     def close(self) -> None:
         self.channel.close()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago (for a worker's --metrics-port, which must be known in advance)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ from coordinator.workers import LocalWorkerSpec, local_workers  # noqa: E402
 from specmesh.defaults import DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL  # noqa: E402
 
 DEFAULT_PROMPTS = REPO / "scripts" / "bench_prompts.json"
-DEFAULT_MODES = "target-only,adaptive,4,ngram,hf-assisted,hf-target"
+DEFAULT_MODES = "target-only,adaptive,adaptive-cost,4,ngram,hf-assisted,hf-target"
 BASELINE = "target-only"
 HF_BASELINE = "hf-target"
 
@@ -60,6 +60,7 @@ class Mode:
     kind: str  # "specmesh" or "hf"
     drafter: str | None = None  # specmesh: None (target-only), "model" or "ngram"; hf: "model", "ngram" or None
     k: int | None = None  # specmesh: draft length, None = adaptive
+    policy: str = "heuristic"  # specmesh adaptive k: coordinator/draft_length.py
 
 
 def parse_mode(text: str) -> Mode:
@@ -68,6 +69,10 @@ def parse_mode(text: str) -> Mode:
         return Mode(BASELINE, "specmesh", None, 0)
     if t == "adaptive":
         return Mode("adaptive", "specmesh", "model", None)
+    if t in ("adaptive-cost", "cost"):
+        return Mode("adaptive-cost", "specmesh", "model", None, "cost")
+    if t == "ngram-cost":
+        return Mode("ngram-cost", "specmesh", "ngram", None, "cost")
     if t.isdigit():
         return Mode(f"k={int(t)}", "specmesh", "model", int(t))
     if t.startswith("k=") and t[2:].isdigit():
@@ -83,8 +88,8 @@ def parse_mode(text: str) -> Mode:
         return Mode("hf-assisted", "hf", "model")
     if t in ("hf-ngram", "hf-prompt-lookup"):
         return Mode("hf-ngram", "hf", "ngram")
-    raise ValueError(f"unknown mode {text!r}: expected target-only|0, adaptive, K, ngram, ngram:K, hf-target, "
-                     "hf-assisted or hf-ngram")
+    raise ValueError(f"unknown mode {text!r}: expected target-only|0, adaptive, adaptive-cost, K, ngram, ngram-cost, "
+                     "ngram:K, hf-target, hf-assisted or hf-ngram")
 
 
 def parse_modes(text: str) -> list[Mode]:
@@ -219,7 +224,8 @@ def run_specmesh(args, modes: list[Mode], prompts: list[dict], log) -> tuple[dic
                 if mode.kind != "specmesh":
                     continue
                 c = coordinators[mode.drafter]
-                options = GenerationOptions(max_new_tokens=args.max_new_tokens, draft_tokens=mode.k)
+                options = GenerationOptions(max_new_tokens=args.max_new_tokens, draft_tokens=mode.k,
+                                            draft_policy=mode.policy)
                 row = best_of(args.repeats, lambda: specmesh_row(c.generate(list(ids), options), prompt, mode))
                 rows.append(row)
                 log(row)
@@ -511,7 +517,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads, workers and HF alike")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--modes", default=DEFAULT_MODES,
-                        help="comma list of target-only (or 0), adaptive, K (fixed draft length), ngram, ngram:K, "
+                        help="comma list of target-only (or 0), adaptive, adaptive-cost, K (fixed draft length), ngram, ngram-cost, ngram:K, "
                         f"hf-target, hf-assisted, hf-ngram; target-only is always run (default: {DEFAULT_MODES})")
     parser.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS, help="prompt set (JSON)")
     parser.add_argument("--classes", default="code,prose,quote", help="prompt classes to run (default: all)")

@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import sys
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -28,28 +26,21 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
-
 from coordinator import Coordinator, GenerationOptions  # noqa: E402
-from coordinator.workers import LocalWorkerSpec, local_workers  # noqa: E402
+from coordinator.resilience import ResilienceConfig  # noqa: E402
+from coordinator.workers import LocalWorkerSpec, free_port, local_workers  # noqa: E402
 from specmesh.defaults import DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL  # noqa: E402
+from specmesh.metrics import read_histogram  # noqa: E402
 
 DEFAULT_PROMPTS = REPO / "scripts" / "bench_prompts.json"
 MODES = {"target-only": 0, "adaptive": None}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# Calls queue behind each other's prompts (prefill) on an overloaded verifier: measure throughput, not deadlines.
+PATIENT = ResilienceConfig(verify_timeout_s=900, propose_timeout_s=900, retry_budget_s=900)
 
 
 def batch_histogram(metrics_port: int) -> tuple[float, float]:
     """(sum, count) of the verifier's specmesh_verify_batch_size histogram."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
-    values = {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples
-              if s.name in ("specmesh_verify_batch_size_sum", "specmesh_verify_batch_size_count")}
-    return values.get("specmesh_verify_batch_size_sum", 0.0), values.get("specmesh_verify_batch_size_count", 0.0)
+    return read_histogram(f"http://127.0.0.1:{metrics_port}/metrics", "specmesh_verify_batch_size")
 
 
 def run_concurrent(coordinator: Coordinator, prompts: list[str], n: int, options: GenerationOptions) -> dict:
@@ -80,7 +71,8 @@ def run(args: argparse.Namespace) -> dict:
         if any(MODES[m] != 0 for m in modes):
             specs.append(LocalWorkerSpec("drafter", args.draft_model, args.device, args.dtype, args.threads))
         with local_workers(specs) as addresses, \
-                Coordinator(verifier=addresses["verifier"], drafter=addresses.get("drafter")) as coordinator:
+                Coordinator(verifier=addresses["verifier"], drafter=addresses.get("drafter"),
+                            resilience=PATIENT) as coordinator:
             for mode in modes:
                 options = GenerationOptions(max_new_tokens=args.max_new_tokens, draft_tokens=MODES[mode])
                 coordinator.generate(prompts[0], GenerationOptions(max_new_tokens=2, draft_tokens=MODES[mode]))

@@ -115,3 +115,14 @@ def serve_metrics(port: int | None, host: str = "127.0.0.1") -> int | None:
         return None
     server, _ = start_http_server(port, addr=host)
     return server.server_address[1]
+
+
+def read_histogram(url: str, name: str, timeout_s: float = 10.0) -> tuple[float, float]:
+    """(sum, count) of histogram `name` as served at `url` (a /metrics endpoint), e.g. a worker's batch sizes."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(url, timeout=timeout_s).read().decode()
+    values = {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
+    return values.get(f"{name}_sum", 0.0), values.get(f"{name}_count", 0.0)

@@ -19,6 +19,7 @@ from specmesh.batched_forward import MAX_BATCHED_FRESH_TOKENS, batched_logits, c
 from specmesh.history import EMPTY_HASH, ResyncRequired, history_hash
 from specmesh.kv_cache import CachedSequence
 from specmesh.sampling import SamplingParams
+from specmesh.serving import Cancelled
 from tests.helpers import reference_greedy
 from verifier.engine import VerifyEngine
 from verifier.service import run_server as run_verifier
@@ -167,3 +168,13 @@ def test_concurrent_generations_over_grpc_equal_reference_greedy(tiny_target, ti
         results = list(pool.map(lambda p: c.generate(list(p), GenerationOptions(max_new_tokens=24)), prompts))
     assert [r.token_ids for r in results] == expected
     assert batched_passes_of_at_least(2) > before, "concurrent sessions should have shared forward passes"
+
+
+def test_a_caller_gone_while_queued_costs_no_forward_pass(tiny_target):
+    engine = VerifyEngine(tiny_target, max_batch_size=8)
+    gone = ("gone", 0, EMPTY_HASH, [1, 2, 3], [4], [], SamplingParams(), 0, lambda: False)
+    here = greedy_call("here", [1, 2, 3], [4])
+    got = queued_together(engine, [gone, here])
+    assert isinstance(got[0], Cancelled)
+    assert got[1] == VerifyEngine(tiny_target).verify(*here)
+    assert len(engine.sessions) == 1, "the gone caller's session was never even created"

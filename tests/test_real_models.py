@@ -9,10 +9,14 @@ import json
 import subprocess
 import sys
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 
-from coordinator.workers import LocalWorkerSpec, local_workers
+from coordinator import Coordinator, GenerationOptions
+from coordinator.workers import LocalWorkerSpec, free_port, local_workers
 from specmesh.defaults import DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL
+from specmesh.metrics import read_histogram
 
 pytestmark = pytest.mark.real_models
 
@@ -25,11 +29,31 @@ MAX_NEW = 24
 
 
 @pytest.fixture(scope="module")
-def workers():
-    specs = [LocalWorkerSpec("verifier", DEFAULT_TARGET_MODEL, "cpu", "float32"),
+def metrics_port():
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def workers(metrics_port):
+    specs = [LocalWorkerSpec("verifier", DEFAULT_TARGET_MODEL, "cpu", "float32",
+                             extra_args=("--metrics-port", str(metrics_port))),
              LocalWorkerSpec("drafter", DEFAULT_DRAFT_MODEL, "cpu", "float32")]
     with local_workers(specs, progress=False) as addresses:
         yield addresses
+
+
+def batch_histogram(metrics_port: int) -> tuple[float, float]:
+    return read_histogram(f"http://127.0.0.1:{metrics_port}/metrics", "specmesh_verify_batch_size")
+
+
+BASELINES: dict[str, dict] = {}
+
+
+def target_only(workers, prompt: str) -> dict:
+    """`--draft-tokens 0` output for `prompt`, computed once per module."""
+    if prompt not in BASELINES:
+        BASELINES[prompt] = generate(workers, prompt, "--draft-tokens", "0")
+    return BASELINES[prompt]
 
 
 def generate(workers, prompt: str, *args: str) -> dict:
@@ -42,7 +66,7 @@ def generate(workers, prompt: str, *args: str) -> dict:
 
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_speculative_equals_target_only_greedy(workers, prompt):
-    baseline = generate(workers, prompt, "--draft-tokens", "0")
+    baseline = target_only(workers, prompt)
     speculative = generate(workers, prompt)  # adaptive k
     assert speculative["token_ids"] == baseline["token_ids"]
     assert speculative["text"] == baseline["text"]
@@ -53,8 +77,27 @@ def test_speculative_equals_target_only_greedy(workers, prompt):
 
 
 def test_fixed_k_equals_target_only_greedy(workers):
-    baseline = generate(workers, PROMPTS[0], "--draft-tokens", "0")
+    baseline = target_only(workers, PROMPTS[0])
     assert generate(workers, PROMPTS[0], "--draft-tokens", "5")["token_ids"] == baseline["token_ids"]
+
+
+def test_cost_draft_policy_equals_target_only_greedy(workers):
+    assert generate(workers, PROMPTS[1], "--draft-policy", "cost")["token_ids"] == \
+        target_only(workers, PROMPTS[1])["token_ids"]
+
+
+def test_concurrent_generations_share_forward_passes_and_stay_exact(workers, metrics_port):
+    """Three generations at once through one verifier: their Verify calls are batched into shared forward passes
+    (the verifier's batch-size histogram says so) and each output still equals its target-only decoding."""
+    before = batch_histogram(metrics_port)
+    with Coordinator(verifier=workers["verifier"], drafter=workers["drafter"]) as coordinator, \
+            ThreadPoolExecutor(len(PROMPTS)) as pool:
+        results = list(pool.map(lambda p: coordinator.generate(p, GenerationOptions(max_new_tokens=MAX_NEW)),
+                                PROMPTS))
+    after = batch_histogram(metrics_port)
+    assert [r.token_ids for r in results] == [target_only(workers, p)["token_ids"] for p in PROMPTS]
+    sessions, passes = after[0] - before[0], after[1] - before[1]
+    assert sessions / passes > 1.2, f"{sessions} verifications in {passes} forward passes: little batching"
 
 
 def test_seeded_sampling_repeats_exactly(workers):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from specmesh import metrics
@@ -18,6 +19,7 @@ from specmesh.batched_forward import MAX_BATCHED_FRESH_TOKENS, batched_logits, c
 from specmesh.history import EMPTY_HASH
 from specmesh.models import LoadedModel
 from specmesh.sampling import SamplingParams, SparseDist
+from specmesh.serving import Cancelled
 from specmesh.sessions import Session, SessionLimits, SessionStore, kv_sessions
 
 
@@ -37,6 +39,7 @@ class _Request:
     dists: list[SparseDist]
     params: SamplingParams
     seed: int
+    is_active: Callable[[], bool] | None = None  # False once the caller has gone (cancelled, deadline passed)
     done: bool = False
     outcome: VerifyOutcome | None = None
     error: BaseException | None = None
@@ -57,9 +60,11 @@ class VerifyEngine:
         self._queue: deque[_Request] = deque()
 
     def verify(self, session_id: str, base_length: int, base_hash: int, new_tokens: list[int],
-               drafts: list[int], dists: list[SparseDist], params: SamplingParams, seed: int) -> VerifyOutcome:
+               drafts: list[int], dists: list[SparseDist], params: SamplingParams, seed: int,
+               is_active: Callable[[], bool] | None = None) -> VerifyOutcome:
+        """`is_active`: checked when the request's turn comes; a caller that has gone by then costs no forward pass."""
         request = _Request(session_id, base_length, base_hash, list(new_tokens), list(drafts), list(dists), params,
-                           seed)
+                           seed, is_active)
         with self._queue_lock:
             self._queue.append(request)
         while not request.done:
@@ -85,7 +90,10 @@ class VerifyEngine:
 
     def _run_batch(self, batch: list[_Request]) -> None:
         try:
-            ready = [r for r in batch if self._sync(r)]
+            for request in batch:
+                if request.is_active is not None and not request.is_active():
+                    request.error = Cancelled("the call was cancelled or its deadline passed while queued")
+            ready = [r for r in batch if r.error is None and self._sync(r)]
             # A long prompt (prefill) runs on its own: batched rows compute logits for every fresh column.
             prefills = [r for r in ready if self._fresh_length(r) > MAX_BATCHED_FRESH_TOKENS]
             decodes = [r for r in ready if r not in prefills]

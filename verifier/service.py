@@ -42,7 +42,7 @@ class VerifierServicer(WorkerServicerBase, pb_grpc.VerifierServicer):
                 raise ValueError(f"draft_tokens[{i}] = {token} has probability 0 in its own draft distribution")
         self.before_work(context)
         outcome = engine.verify(session_key, request.context.base_length, request.context.base_hash,
-                                new_tokens, drafts, dists, params, request.seed)
+                                new_tokens, drafts, dists, params, request.seed, is_active=context.is_active)
         return pb.VerifyResponse(accepted=outcome.verdict.accepted, next_token=outcome.verdict.next_token,
                                  committed_length=outcome.committed_length)
 

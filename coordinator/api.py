@@ -54,6 +54,7 @@ class GenerationOptions:
     max_new_tokens: int = 256
     draft_tokens: int | None = None  # None: adaptive draft length; 0: target-only decoding
     draft_policy: str = DEFAULT_POLICY  # adaptive k: "heuristic" (HF's +2/-1) or "cost" (coordinator/draft_length.py)
+    pipeline: bool = False  # draft the next round while the target verifies this one (coordinator/loop.py)
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -202,7 +203,7 @@ class Coordinator:
         draft_length = (DraftLength(policy=options.draft_policy) if options.draft_tokens is None
                         else DraftLength.fixed(options.draft_tokens))
         config = LoopConfig(max_new_tokens=options.max_new_tokens, eos_token_ids=self.eos_token_ids,
-                            draft_length=draft_length)
+                            draft_length=draft_length, pipeline=options.pipeline)
         session_id = new_session_id()
         logs.session_id.set(session_id)
         faults = FaultStats()

@@ -35,6 +35,9 @@ def add_fleet_arguments(p: argparse.ArgumentParser) -> None:
                    help="how adaptive k is chosen: heuristic = +2 after a fully accepted round, -1 otherwise (HF's); "
                    "cost = the k maximising measured tokens/s from acceptance rate, draft and verify times, "
                    f"down to k = 0 when drafting does not pay (default: {DEFAULT_POLICY})")
+    p.add_argument("--pipeline", action="store_true",
+                   help="draft the next round while the verifier checks this one, betting that every draft is "
+                   "accepted (pays when drafter and verifier run on different hosts; same output either way)")
     p.add_argument("--connect-timeout", type=float, default=60.0,
                    help="seconds to wait at start for a SERVING verifier (and drafter) (default: 60)")
     add_resilience_arguments(p)
@@ -146,7 +149,7 @@ def generate(args: argparse.Namespace) -> int:
     try:
         configure_logging("coordinator", args.log_format, args.log_level or "WARNING")
         options = GenerationOptions(max_new_tokens=args.max_new_tokens, draft_tokens=args.draft_tokens,
-                                    draft_policy=args.draft_policy,
+                                    draft_policy=args.draft_policy, pipeline=args.pipeline,
                                     temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                     seed=args.seed, stop=tuple(args.stop), chat=not args.no_chat)
         resilience_from(args), security_from(args)
@@ -202,7 +205,8 @@ def serve(args: argparse.Namespace) -> int:
     try:
         with connected(args, progress=True) as coordinator:
             app = create_app(coordinator, default_max_tokens=args.default_max_tokens,
-                             draft_tokens=args.draft_tokens, draft_policy=args.draft_policy)
+                             draft_tokens=args.draft_tokens, draft_policy=args.draft_policy,
+                             pipeline=args.pipeline)
             host, port = listener.getsockname()[:2]
             print(f"LISTENING http://{host}:{port}", flush=True)
             uvicorn.Server(uvicorn.Config(app, log_level="info")).run(sockets=[listener])

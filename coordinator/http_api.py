@@ -62,7 +62,7 @@ def error(status: int, message: str, kind: str = "invalid_request_error", param:
 
 
 def create_app(coordinator: Coordinator, default_max_tokens: int = 256, draft_tokens: int | None = None,
-               draft_policy: str = DEFAULT_POLICY) -> FastAPI:
+               draft_policy: str = DEFAULT_POLICY, pipeline: bool = False) -> FastAPI:
     app = FastAPI(title="specmesh", description="OpenAI-compatible API over distributed speculative decoding")
     model_name = coordinator.verifier_info.model_name
     created = int(time.time())
@@ -88,7 +88,7 @@ def create_app(coordinator: Coordinator, default_max_tokens: int = 256, draft_to
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
         seed = None if body.seed is None else (body.seed + index) % 2**64  # n > 1: distinct, reproducible seeds
         return GenerationOptions(max_new_tokens=max_tokens or default_max_tokens, draft_tokens=draft_tokens,
-                                 draft_policy=draft_policy,
+                                 draft_policy=draft_policy, pipeline=pipeline,
                                  temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=seed,
                                  stop=stop, chat=chat)
 

@@ -3,12 +3,20 @@
 Each round the drafter proposes k tokens, the target checks all of them in one forward pass and returns how many it
 accepts plus one token of its own (the correction at the first rejection, or a bonus token when all were accepted).
 With k = 0 a round is plain one-token target decoding: the fallback path and the baseline.
+
+Pipelining (optional, as in PipeSpec/SpecEdge): while the target checks round r's draft, the drafter already drafts
+round r+1, betting that every draft is accepted. The bet's first token predicts the target's own (bonus) token; if
+all drafts were accepted and that prediction is right, the rest of the bet is exactly what the drafter would propose
+next (same context, same position-keyed randomness), so it becomes the next draft without waiting for the drafter.
+Output is the same with or without pipelining; only waiting time changes.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -24,9 +32,10 @@ class Draft:
 
 
 class DraftSource(Protocol):
-    """A drafter session: propose k tokens after the committed history; learn what got committed."""
+    """A drafter session: propose k tokens after the committed history (followed by `after`, tokens not committed:
+    pipelining drafts past the draft under verification); learn what got committed."""
 
-    def propose(self, k: int) -> Draft: ...
+    def propose(self, k: int, after: Sequence[int] = ()) -> Draft: ...
 
     def update(self, committed: Sequence[int]) -> None: ...
 
@@ -42,6 +51,7 @@ class LoopConfig:
     max_new_tokens: int
     eos_token_ids: frozenset[int] = frozenset()
     draft_length: DraftLength = DraftLength()
+    pipeline: bool = False  # draft the next round while the target verifies this one
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -71,38 +81,56 @@ def speculative_decode(drafter: DraftSource | None, target: TargetSession, confi
     if a worker fails mid-way: it is filled in place."""
     result = result if result is not None else LoopResult()
     k = config.draft_length.initial if drafter is not None else 0
-    while True:
-        remaining = config.max_new_tokens - len(result.tokens)
-        # The target always adds one token of its own, so never draft past the token budget.
-        k_round = min(k, remaining - 1)
+    pipelined = config.pipeline and drafter is not None
+    with ThreadPoolExecutor(1, thread_name_prefix="draft-ahead") if pipelined else nullcontext() as ahead_pool:
+        ready: Draft | None = None  # pipelining: the next draft, drafted while the previous round was verified
+        while True:
+            remaining = config.max_new_tokens - len(result.tokens)
+            # The target always adds one token of its own, so never draft past the token budget.
+            k_round = min(k, remaining - 1)
 
-        started = time.perf_counter()
-        draft = drafter.propose(k_round) if (drafter is not None and k_round > 0) else Draft()
-        drafted_at = time.perf_counter()
-        verdict = target.verify(draft)
-        verified_at = time.perf_counter()
+            started = time.perf_counter()
+            if ready is not None and ready.tokens and k_round > 0:
+                draft = Draft(ready.tokens[:k_round], ready.dists[:k_round])  # no wait for the drafter this round
+            else:
+                draft = drafter.propose(k_round) if (drafter is not None and k_round > 0) else Draft()
+            ready = None
+            drafted_at = time.perf_counter()
+            # Pipelining: bet that every draft is accepted and draft the round after it meanwhile (1 more token: the
+            # bet's first token predicts the target's bonus token). +2: the heuristic's next k after a full acceptance.
+            ahead = (ahead_pool.submit(drafter.propose, min(len(draft.tokens) + 3, config.draft_length.maximum + 1),
+                                       draft.tokens)
+                     if ahead_pool is not None and draft.tokens and remaining > len(draft.tokens) + 2 else None)
+            verdict = target.verify(draft)
+            verified_at = time.perf_counter()
+            if ahead is not None:
+                bet = ahead.result()
+                if verdict.accepted == len(draft.tokens) and bet.tokens[:1] == (verdict.next_token,):
+                    ready = Draft(bet.tokens[1:], bet.dists[1:])
+            waited_at = time.perf_counter()  # time spent waiting for the bet counts as drafting time
 
-        # Longest agreeing prefix of the draft, plus the target's own token.
-        new_tokens = [*draft.tokens[:verdict.accepted], verdict.next_token]
-        result.rounds.append(RoundRecord(len(draft.tokens), verdict.accepted,
-                                         drafted_at - started, verified_at - drafted_at))
-        if drafter is not None:
-            drafter.update(new_tokens)
+            # Longest agreeing prefix of the draft, plus the target's own token.
+            new_tokens = [*draft.tokens[:verdict.accepted], verdict.next_token]
+            result.rounds.append(RoundRecord(len(draft.tokens), verdict.accepted,
+                                             (drafted_at - started) + (waited_at - verified_at),
+                                             verified_at - drafted_at))
+            if drafter is not None:
+                drafter.update(new_tokens)
 
-        # Never emit past an end-of-sequence token (it is kept, like HF generate does).
-        finish = ""
-        for i, token in enumerate(new_tokens):
-            if token in config.eos_token_ids:
-                new_tokens, finish = new_tokens[:i + 1], "eos"
-                break
-        result.tokens.extend(new_tokens)
-        if on_tokens is not None and on_tokens(new_tokens):
-            finish = "stop"
-        if not finish and len(result.tokens) >= config.max_new_tokens:
-            finish = "length"
-        if finish:
-            result.finish_reason = finish
-            return result
+            # Never emit past an end-of-sequence token (it is kept, like HF generate does).
+            finish = ""
+            for i, token in enumerate(new_tokens):
+                if token in config.eos_token_ids:
+                    new_tokens, finish = new_tokens[:i + 1], "eos"
+                    break
+            result.tokens.extend(new_tokens)
+            if on_tokens is not None and on_tokens(new_tokens):
+                finish = "stop"
+            if not finish and len(result.tokens) >= config.max_new_tokens:
+                finish = "length"
+            if finish:
+                result.finish_reason = finish
+                return result
 
-        # Adaptive draft length: decided from the rounds so far (coordinator/draft_length.py).
-        k = config.draft_length.next(k, result.rounds) if drafter is not None else 0
+            # Adaptive draft length: decided from the rounds so far (coordinator/draft_length.py).
+            k = config.draft_length.next(k, result.rounds) if drafter is not None else 0

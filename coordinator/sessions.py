@@ -150,7 +150,7 @@ class DegradingDraftSession:
         self.link = PinnedSession(pool, prompt, stats)
         self.session_id, self._params, self._seed, self._config, self.stats = session_id, params, seed, config, stats
 
-    def propose(self, k: int) -> Draft:
+    def propose(self, k: int, after: Sequence[int] = ()) -> Draft:
         try:
             endpoint = self.link.begin(self.link.current())
         except NoWorkerAvailable:
@@ -158,6 +158,9 @@ class DegradingDraftSession:
             return Draft()  # no drafter: this round is plain target decoding
 
         def rpc(context: pb.ContextSync) -> pb.ProposeResponse:
+            if after:  # drafting past uncommitted tokens (pipelining): they ride along as if committed
+                context = pb.ContextSync(base_length=context.base_length, base_hash=context.base_hash,
+                                         new_tokens=[*context.new_tokens, *after])
             return endpoint.stub.Propose(pb.ProposeRequest(
                 session_id=self.session_id, context=context, num_tokens=k,
                 sampling=sampling_to_wire(self._params), seed=self._seed), timeout=self._config.propose_timeout_s)
@@ -172,7 +175,8 @@ class DegradingDraftSession:
             self.stats.degraded_rounds += 1
             return Draft()
         self.link.record(endpoint, None)
-        # The drafter now holds the committed history; its drafts are not committed until update().
+        # The drafter now holds the committed history (+ `after`, which the next call's sync cuts off again if it was
+        # not committed: syncing from the committed length truncates the server's history there).
         self.link.sync.server_length = len(self.link.sync.history)
         dists = tuple(SparseDist(tuple(d.token_ids), tuple(d.probs)) for d in response.distributions)
         return Draft(tuple(response.tokens), dists)

@@ -44,7 +44,7 @@ from coordinator.workers import LocalWorkerSpec, local_workers  # noqa: E402
 from specmesh.defaults import DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL  # noqa: E402
 
 DEFAULT_PROMPTS = REPO / "scripts" / "bench_prompts.json"
-DEFAULT_MODES = "target-only,adaptive,adaptive-cost,4,ngram,hf-assisted,hf-target"
+DEFAULT_MODES = "target-only,adaptive,adaptive-cost,pipelined,4,ngram,hf-assisted,hf-target"
 BASELINE = "target-only"
 HF_BASELINE = "hf-target"
 
@@ -61,6 +61,7 @@ class Mode:
     drafter: str | None = None  # specmesh: None (target-only), "model" or "ngram"; hf: "model", "ngram" or None
     k: int | None = None  # specmesh: draft length, None = adaptive
     policy: str = "heuristic"  # specmesh adaptive k: coordinator/draft_length.py
+    pipeline: bool = False  # specmesh: draft the next round during this round's verify
 
 
 def parse_mode(text: str) -> Mode:
@@ -69,6 +70,8 @@ def parse_mode(text: str) -> Mode:
         return Mode(BASELINE, "specmesh", None, 0)
     if t == "adaptive":
         return Mode("adaptive", "specmesh", "model", None)
+    if t in ("pipelined", "adaptive-pipelined"):
+        return Mode("pipelined", "specmesh", "model", None, "heuristic", True)
     if t in ("adaptive-cost", "cost"):
         return Mode("adaptive-cost", "specmesh", "model", None, "cost")
     if t == "ngram-cost":
@@ -88,7 +91,7 @@ def parse_mode(text: str) -> Mode:
         return Mode("hf-assisted", "hf", "model")
     if t in ("hf-ngram", "hf-prompt-lookup"):
         return Mode("hf-ngram", "hf", "ngram")
-    raise ValueError(f"unknown mode {text!r}: expected target-only|0, adaptive, adaptive-cost, K, ngram, ngram-cost, "
+    raise ValueError(f"unknown mode {text!r}: expected target-only|0, adaptive, adaptive-cost, pipelined, K, ngram, ngram-cost, "
                      "ngram:K, hf-target, hf-assisted or hf-ngram")
 
 
@@ -225,7 +228,7 @@ def run_specmesh(args, modes: list[Mode], prompts: list[dict], log) -> tuple[dic
                     continue
                 c = coordinators[mode.drafter]
                 options = GenerationOptions(max_new_tokens=args.max_new_tokens, draft_tokens=mode.k,
-                                            draft_policy=mode.policy)
+                                            draft_policy=mode.policy, pipeline=mode.pipeline)
                 row = best_of(args.repeats, lambda: specmesh_row(c.generate(list(ids), options), prompt, mode))
                 rows.append(row)
                 log(row)
@@ -517,7 +520,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads, workers and HF alike")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--modes", default=DEFAULT_MODES,
-                        help="comma list of target-only (or 0), adaptive, adaptive-cost, K (fixed draft length), ngram, ngram-cost, ngram:K, "
+                        help="comma list of target-only (or 0), adaptive, adaptive-cost, pipelined, K (fixed draft length), ngram, ngram-cost, ngram:K, "
                         f"hf-target, hf-assisted, hf-ngram; target-only is always run (default: {DEFAULT_MODES})")
     parser.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS, help="prompt set (JSON)")
     parser.add_argument("--classes", default="code,prose,quote", help="prompt classes to run (default: all)")

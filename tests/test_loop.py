@@ -18,13 +18,17 @@ PARAMS = SamplingParams()
 class InProcessDrafter:
     """DraftSource over a DraftEngine, syncing like the remote client does (deltas after the first call)."""
 
-    def __init__(self, engine: DraftEngine, prompt: list[int]) -> None:
+    def __init__(self, engine: DraftEngine, prompt: list[int], params: SamplingParams = PARAMS, seed: int = 0) -> None:
         self.engine, self.history, self.sent, self.requested = engine, TokenHistory(prompt), 0, []
+        self.params, self.seed, self.ahead_calls = params, seed, 0
 
-    def propose(self, k: int) -> Draft:
-        self.requested.append(k)
-        p = self.engine.propose("s", self.sent, self.history.hash_at(self.sent), self.history.tokens[self.sent:],
-                                k, PARAMS, 0)
+    def propose(self, k: int, after=()) -> Draft:
+        if after:
+            self.ahead_calls += 1
+        else:
+            self.requested.append(k)
+        p = self.engine.propose("s", self.sent, self.history.hash_at(self.sent),
+                                [*self.history.tokens[self.sent:], *after], k, self.params, self.seed)
         self.sent = len(self.history)
         return Draft(p.tokens, p.dists)
 
@@ -33,12 +37,13 @@ class InProcessDrafter:
 
 
 class InProcessTarget:
-    def __init__(self, engine: VerifyEngine, prompt: list[int]) -> None:
+    def __init__(self, engine: VerifyEngine, prompt: list[int], params: SamplingParams = PARAMS, seed: int = 0) -> None:
         self.engine, self.history, self.sent = engine, TokenHistory(prompt), 0
+        self.params, self.seed = params, seed
 
     def verify(self, draft: Draft):
         out = self.engine.verify("s", self.sent, self.history.hash_at(self.sent), self.history.tokens[self.sent:],
-                                 list(draft.tokens), list(draft.dists), PARAMS, 0)
+                                 list(draft.tokens), list(draft.dists), self.params, self.seed)
         self.history.extend([*draft.tokens[:out.verdict.accepted], out.verdict.next_token])
         self.sent = len(self.history)
         return out.verdict
@@ -59,6 +64,32 @@ def test_loop_equals_reference_greedy(tiny_target, tiny_unrelated_draft, prompt,
     assert result.tokens == expected
     # Never draft past the budget: the target adds one token of its own each round.
     assert sum(r.accepted + 1 for r in result.rounds) == len(result.tokens) or result.finish_reason == "eos"
+
+
+def test_pipelined_loop_with_an_identical_drafter_never_waits_for_it(tiny_target, prompt):
+    expected = reference_greedy(tiny_target.model, prompt, 30, set(tiny_target.eos_token_ids))
+    drafter = InProcessDrafter(DraftEngine(tiny_target), prompt)
+    result = speculative_decode(drafter, InProcessTarget(VerifyEngine(tiny_target), prompt),
+                                LoopConfig(max_new_tokens=30, eos_token_ids=frozenset(tiny_target.eos_token_ids),
+                                           pipeline=True))
+    assert result.tokens == expected
+    # Every bet wins: only the first round's draft was waited for; every later one was drafted during a verify.
+    assert len(drafter.requested) == 1 and drafter.ahead_calls >= len(result.rounds) - 1
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+@pytest.mark.parametrize("draft_fixture", ["tiny_target", "tiny_unrelated_draft"])
+def test_pipelined_loop_gives_the_same_output(tiny_target, prompt, temperature, draft_fixture, request):
+    """Pipelining changes only who waits: greedy or sampled, the tokens are those of the plain loop."""
+    params = SamplingParams(temperature=temperature)
+    draft_model = request.getfixturevalue(draft_fixture)
+    outputs = []
+    for pipeline in (False, True):
+        drafter = InProcessDrafter(DraftEngine(draft_model), prompt, params, seed=11)
+        result = speculative_decode(drafter, InProcessTarget(VerifyEngine(tiny_target), prompt, params, seed=11),
+                                    LoopConfig(max_new_tokens=30, pipeline=pipeline))
+        outputs.append(result.tokens)
+    assert outputs[0] == outputs[1] and len(outputs[0]) == 30
 
 
 def test_loop_stops_at_eos_and_on_request(tiny_target, prompt):

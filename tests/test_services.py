@@ -68,6 +68,16 @@ def test_identical_draft_accepts_everything(verifier, same_drafter, tiny_target,
     assert result.stats["rounds"] < len(expected)
 
 
+@pytest.mark.parametrize("drafter_fixture", ["same_drafter", "unrelated_drafter"])
+def test_pipelined_generation_equals_reference_greedy(verifier, tiny_target, prompt, expected, drafter_fixture,
+                                                       request):
+    drafter = request.getfixturevalue(drafter_fixture)
+    result = generate(verifier, drafter, tiny_target.tokenizer, prompt, pipeline=True)
+    assert result.token_ids == expected
+    if drafter_fixture == "same_drafter":  # every bet wins: rounds after the first need no wait for the drafter
+        assert result.stats["acceptance_rate"] == 1.0
+
+
 @pytest.mark.parametrize("k", [None, 2, 5])
 def test_unrelated_draft_still_gives_target_output(verifier, unrelated_drafter, tiny_target, prompt, expected, k):
     result = generate(verifier, unrelated_drafter, tiny_target.tokenizer, prompt, draft_tokens=k)

@@ -186,7 +186,8 @@ def run_specmesh(args, modes: list[Mode], prompts: list[dict], log) -> tuple[dic
     need_ngram = any(m.drafter == "ngram" for m in modes if m.kind == "specmesh")
     rows: list[dict] = []
     with ExitStack() as stack:
-        common = dict(device=args.device, dtype=args.dtype, threads=args.threads)
+        common = dict(device=args.device, dtype=args.dtype, threads=args.threads,
+                      extra_args=("--linear-backend", args.linear_backend))
         specs = []
         if not args.verifier:
             specs.append(LocalWorkerSpec("verifier", args.target_model, **common))
@@ -265,9 +266,9 @@ def run_hf(args, modes: list[Mode], prompts: list[dict], prompt_ids: dict, eos_i
     if not hf_modes:
         return {}, []
     target = load_model(args.target_model, device=args.device, dtype=args.dtype, threads=args.threads,
-                        progress=False)
+                        linear_backend=args.linear_backend, progress=False)
     draft = (load_model(args.draft_model, device=args.device, dtype=args.dtype, threads=args.threads,
-                        progress=False) if any(m.drafter == "model" for m in hf_modes) else None)
+                        linear_backend=args.linear_backend, progress=False) if any(m.drafter == "model" for m in hf_modes) else None)
     tok = target.tokenizer
     pad = tok.pad_token_id if tok.pad_token_id is not None else eos_ids[0]
 
@@ -518,6 +519,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads, workers and HF alike")
+    parser.add_argument("--linear-backend", choices=("auto", "torch", "onednn"), default="auto",
+                        help="CPU linear kernels, workers and HF alike (specmesh/onednn.py; default: auto)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--modes", default=DEFAULT_MODES,
                         help="comma list of target-only (or 0), adaptive, adaptive-cost, pipelined, K (fixed draft length), ngram, ngram-cost, ngram:K, "
@@ -596,7 +599,7 @@ def run(args: argparse.Namespace) -> int:
         "info": {**info, **hf_info},
         "config": {"max_new_tokens": args.max_new_tokens, "modes": [m.name for m in modes], "classes": classes,
                    "repeats": args.repeats, "ngram_min": args.ngram_min, "ngram_max": args.ngram_max,
-                   "threads": args.threads, "chat": not args.no_chat, "wall_s": round(time.time() - started, 1)},
+                   "threads": args.threads, "linear_backend": args.linear_backend, "chat": not args.no_chat, "wall_s": round(time.time() - started, 1)},
         "prompts": [{**p, "prompt_tokens": len(prompt_ids[p["id"]])} for p in prompts],
         "prompt_counts": {c: sum(p["class"] == c for p in prompts) for c in classes},
         "summary": summary,

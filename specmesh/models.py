@@ -31,7 +31,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTrainedModel
 
-from specmesh import catalog
+from specmesh import catalog, onednn
 from specmesh.devices import configure_cpu, resolve_device, resolve_dtype
 from specmesh.fingerprint import tokenizer_fingerprint
 
@@ -49,6 +49,7 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     has_chat_template: bool
+    linear_backend: str = "torch"  # "onednn": nn.Linear layers pre-packed for oneDNN (specmesh/onednn.py)
 
 
 # --------------------------------------------------------------------------
@@ -296,10 +297,15 @@ def load_model(
     dtype: str = "auto",
     threads: int | None = None,
     progress: bool = True,
+    linear_backend: str = "auto",
 ) -> LoadedModel:
-    """Load a model + tokenizer by spec (see module docstring), ready for inference."""
+    """Load a model + tokenizer by spec (see module docstring), ready for inference.
+
+    `linear_backend`: "auto" packs the linear layers for oneDNN on CPU where it supports the dtype (much cheaper
+    multi-token passes, see specmesh/onednn.py), "onednn" insists on it, "torch" keeps torch's kernels."""
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
+    packed = onednn.use_onednn(linear_backend, dev, dt)  # validates the choice before the (slow) load
     if dev.type == "cpu":
         configure_cpu(threads)
     elif threads is not None:
@@ -327,16 +333,20 @@ def load_model(
     model = model.to(device=dev, dtype=dt)
     model.eval()
     model.requires_grad_(False)  # inference only: no autograd buffers even outside no_grad
+    vocab_size = _logits_width(model)  # before packing: it reads the output layer's weight
+    if packed:
+        onednn.pack_linears(model)
     return LoadedModel(
         name=spec,
         model=model,
         tokenizer=tokenizer,
-        vocab_size=_logits_width(model),
+        vocab_size=vocab_size,
         eos_token_ids=_eos_ids(tokenizer, model),
         fingerprint=tokenizer_fingerprint(tokenizer),
         device=dev,
         dtype=dt,
         has_chat_template=bool(getattr(tokenizer, "chat_template", None)),
+        linear_backend="onednn" if packed else "torch",
     )
 
 

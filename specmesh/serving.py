@@ -54,6 +54,7 @@ class WorkerConfig:
     port: int = 0
     device: str = "auto"
     dtype: str = "auto"
+    linear_backend: str = "auto"  # CPU: "onednn" pre-packs linear layers (specmesh/onednn.py), "torch" does not
     threads: int | None = None
     limits: SessionLimits = field(default_factory=SessionLimits)
     max_draft_tokens: int = 32
@@ -76,6 +77,8 @@ class WorkerConfig:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.max_message_bytes < 1024:
             raise ValueError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
+        if self.linear_backend not in ("auto", "torch", "onednn"):
+            raise ValueError(f"linear_backend must be auto, torch or onednn, got {self.linear_backend!r}")
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         if self.max_concurrent_rpcs < 1:
@@ -227,6 +230,7 @@ class WorkerServer:
     def obtain_model(self):
         """What the engine runs on (a LoadedModel here; subclasses may build something lighter)."""
         return self._preloaded or load_model(self.config.model, device=self.config.device, dtype=self.config.dtype,
+                                             linear_backend=self.config.linear_backend,
                                              threads=self.config.threads)
 
     @staticmethod
@@ -248,8 +252,8 @@ class WorkerServer:
             metrics.gauge("specmesh_kv_cache_bytes", "bytes of keys/values cached across sessions", ["role"],
                           [([role], engine.sessions.cache_bytes)])])
         self._set_health(health_pb2.HealthCheckResponse.SERVING)
-        log.info("%s ready: model=%s device=%s dtype=%s port=%d", self.config.role, loaded.name, loaded.device,
-                 dtype_name(loaded.dtype), self.port)
+        log.info("%s ready: model=%s device=%s dtype=%s linear=%s port=%d", self.config.role, loaded.name,
+                 loaded.device, dtype_name(loaded.dtype), getattr(loaded, "linear_backend", "-"), self.port)
 
     def stop(self, grace: float | None = 2.0) -> None:
         """Report NOT_SERVING, refuse new calls, let in-flight calls finish within `grace` seconds."""

@@ -30,6 +30,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser, default_model: str) -> 
     parser.add_argument("--device", default="auto", help="auto|cpu|cuda|cuda:N (default: auto)")
     parser.add_argument("--dtype", default="auto", help="auto|float32|bfloat16|float16|float64 (default: auto = bf16 "
                         "on CUDA and on CPUs with avx512_bf16/AMX, else float32)")
+    parser.add_argument("--linear-backend", choices=("auto", "torch", "onednn"), default="auto",
+                        help="CPU linear layers: onednn pre-packs the weights for oneDNN, which makes a pass over a "
+                        "few tokens (verifying k drafts, batched sessions) far cheaper than torch's default kernels; "
+                        "auto = onednn on CPU where it supports the dtype (default: auto)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--max-sessions", type=int, default=64, help="KV-cache sessions kept, LRU-evicted (default: 64)")
     parser.add_argument("--session-ttl", type=float, default=600.0,
@@ -111,7 +115,7 @@ def serve_main(role: str, build_server: Callable[..., WorkerServer], default_mod
         tls = TlsFiles(cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca) if (args.tls_cert or args.tls_ca) else None
         token = load_token(args.token_file)
         config = WorkerConfig(model=args.model, role=role, host=args.host, port=args.port, device=args.device,
-                              dtype=args.dtype, threads=args.threads,
+                              dtype=args.dtype, threads=args.threads, linear_backend=args.linear_backend,
                               limits=SessionLimits(max_sessions=args.max_sessions, idle_ttl_s=args.session_ttl,
                                                    max_cache_bytes=args.max_cache_bytes),
                               max_draft_tokens=args.max_draft_tokens, max_context_length=args.max_context_length,

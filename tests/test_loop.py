@@ -54,24 +54,25 @@ def prompt(tiny_target):
     return tiny_target.tokenizer("for i in range(10):")["input_ids"]
 
 
+def greedy_loop(target, draft, prompt, **config):
+    """(reference greedy tokens, drafter, loop result) for 30 new tokens of `draft` drafting for `target`."""
+    expected = reference_greedy(target.model, prompt, 30, set(target.eos_token_ids))
+    drafter = InProcessDrafter(DraftEngine(draft), prompt)
+    result = speculative_decode(drafter, InProcessTarget(VerifyEngine(target), prompt),
+                                LoopConfig(max_new_tokens=30, eos_token_ids=frozenset(target.eos_token_ids), **config))
+    return expected, drafter, result
+
+
 @pytest.mark.parametrize("draft_length", [DraftLength(), DraftLength.fixed(1), DraftLength.fixed(6)])
 def test_loop_equals_reference_greedy(tiny_target, tiny_unrelated_draft, prompt, draft_length):
-    expected = reference_greedy(tiny_target.model, prompt, 30, set(tiny_target.eos_token_ids))
-    drafter = InProcessDrafter(DraftEngine(tiny_unrelated_draft), prompt)
-    result = speculative_decode(drafter, InProcessTarget(VerifyEngine(tiny_target), prompt),
-                                LoopConfig(max_new_tokens=30, eos_token_ids=frozenset(tiny_target.eos_token_ids),
-                                           draft_length=draft_length))
+    expected, _, result = greedy_loop(tiny_target, tiny_unrelated_draft, prompt, draft_length=draft_length)
     assert result.tokens == expected
     # Never draft past the budget: the target adds one token of its own each round.
     assert sum(r.accepted + 1 for r in result.rounds) == len(result.tokens) or result.finish_reason == "eos"
 
 
 def test_pipelined_loop_with_an_identical_drafter_never_waits_for_it(tiny_target, prompt):
-    expected = reference_greedy(tiny_target.model, prompt, 30, set(tiny_target.eos_token_ids))
-    drafter = InProcessDrafter(DraftEngine(tiny_target), prompt)
-    result = speculative_decode(drafter, InProcessTarget(VerifyEngine(tiny_target), prompt),
-                                LoopConfig(max_new_tokens=30, eos_token_ids=frozenset(tiny_target.eos_token_ids),
-                                           pipeline=True))
+    expected, drafter, result = greedy_loop(tiny_target, tiny_target, prompt, pipeline=True)
     assert result.tokens == expected
     # Every bet wins: only the first round's draft was waited for; every later one was drafted during a verify.
     assert len(drafter.requested) == 1 and drafter.ahead_calls >= len(result.rounds) - 1

@@ -65,6 +65,7 @@ class WorkerConfig:
     max_message_bytes: int = 4 * 1024 * 1024
     max_concurrent_rpcs: int = 64  # beyond this, calls are answered RESOURCE_EXHAUSTED
     max_batch_size: int = 8  # verifier: concurrent sessions' Verify calls run as one forward pass of up to this many
+    max_batch_wait_s: float = 0.02  # verifier: how long a pass may wait for active sessions' next calls to join it
 
     def __post_init__(self) -> None:
         if self.role not in ("drafter", "verifier"):
@@ -81,6 +82,8 @@ class WorkerConfig:
             raise ValueError(f"linear_backend must be auto, torch or onednn, got {self.linear_backend!r}")
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if not 0 <= self.max_batch_wait_s <= 10:
+            raise ValueError(f"max_batch_wait_s must be in 0..10 seconds, got {self.max_batch_wait_s}")
         if self.max_concurrent_rpcs < 1:
             raise ValueError(f"max_concurrent_rpcs must be >= 1, got {self.max_concurrent_rpcs}")
         if self.token is not None and len(self.token) < 16:
@@ -178,7 +181,9 @@ class WorkerServicerBase:
 
     @rpc
     def EndSession(self, request, context) -> pb.EndSessionResponse:
-        return pb.EndSessionResponse(existed=self.engine.sessions.end(self.session_key(request.session_id, context)))
+        engine = self.engine
+        end = getattr(engine, "end_session", engine.sessions.end)  # the verifier also forgets the session's pace
+        return pb.EndSessionResponse(existed=end(self.session_key(request.session_id, context)))
 
 
 class WorkerServer:

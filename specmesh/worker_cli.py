@@ -90,6 +90,9 @@ def add_verifier_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-batch-size", type=int, default=8,
                        help="Verify calls of different sessions that arrive while the model is busy run together in "
                        "one forward pass of up to this many sessions; 1 turns cross-session batching off (default: 8)")
+    group.add_argument("--max-batch-wait", type=float, default=0.02,
+                       help="seconds a forward pass may wait for recently answered sessions to send their next call, "
+                       "so that they join it instead of alternating with it; 0 never waits (default: 0.02)")
 
 
 def serve_main(role: str, build_server: Callable[..., WorkerServer], default_model: str,
@@ -122,7 +125,8 @@ def serve_main(role: str, build_server: Callable[..., WorkerServer], default_mod
                               inject_latency_s=args.inject_latency, tls=tls, token=token,
                               max_message_bytes=args.max_message_bytes,
                               max_concurrent_rpcs=args.max_concurrent_rpcs,
-                              max_batch_size=getattr(args, "max_batch_size", 1))
+                              max_batch_size=getattr(args, "max_batch_size", 1),
+                              max_batch_wait_s=getattr(args, "max_batch_wait", 0.0))
         warning = exposure_warning(args.host, tls, token)
         if warning:
             print(warning, file=sys.stderr, flush=True)

@@ -29,7 +29,8 @@ def batched_passes_of_at_least(size: int) -> float:
     """Forward passes so far (this process) that verified `size` or more sessions, from the metric's histogram."""
     cumulative = {float(s.labels["le"]): s.value for family in metrics.VERIFY_BATCH_SIZE.collect()
                   for s in family.samples if s.name.endswith("_bucket")}
-    return cumulative[float("inf")] - cumulative[max(bound for bound in cumulative if bound < size)]
+    below = [bound for bound in cumulative if bound < size]
+    return cumulative[float("inf")] - (cumulative[max(below)] if below else 0.0)
 
 
 @pytest.mark.parametrize("model_fixture", ["tiny_target", "tiny_other_tokenizer"])
@@ -178,3 +179,31 @@ def test_a_caller_gone_while_queued_costs_no_forward_pass(tiny_target):
     assert isinstance(got[0], Cancelled)
     assert got[1] == VerifyEngine(tiny_target).verify(*here)
     assert len(engine.sessions) == 1, "the gone caller's session was never even created"
+
+
+def decode_steps(engine: VerifyEngine, session: str, prompt: list[int], steps: int) -> list[int]:
+    """Target-only decoding through `engine`, syncing deltas like the coordinator, each call 10 ms after the last
+    answer (the network and the coordinator's turnaround)."""
+    history = list(prompt)
+    sent = 0
+    for step in range(steps):
+        if step:
+            time.sleep(0.01)
+        outcome = engine.verify(session, sent, history_hash(history[:sent]), history[sent:], [], [],
+                                SamplingParams(), 0)
+        history.append(outcome.verdict.next_token)
+        sent = len(history)
+    return history[len(prompt):]
+
+
+def test_active_sessions_are_waited_for_instead_of_alternating(tiny_target):
+    """Two sessions calling back right after each answer: with a short wait window they share passes (without it they
+    tend to alternate: one runs while the other queues); outputs stay each session's own greedy decoding."""
+    engine = VerifyEngine(tiny_target, max_batch_size=8, max_batch_wait_s=0.2)
+    prompts = [[5, 6, 7], [9, 10, 11, 12]]
+    before_pairs, before_all = batched_passes_of_at_least(2), batched_passes_of_at_least(1)
+    with ThreadPoolExecutor(2) as pool:
+        outputs = list(pool.map(lambda i: decode_steps(engine, f"s{i}", prompts[i], 12), range(2)))
+    pairs, passes = batched_passes_of_at_least(2) - before_pairs, batched_passes_of_at_least(1) - before_all
+    assert outputs == [reference_greedy(tiny_target.model, p, 12) for p in prompts]
+    assert pairs >= 10 and passes <= 14, f"{pairs} shared passes of {passes}"

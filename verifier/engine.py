@@ -1,14 +1,16 @@
 """Verification of draft tokens in ONE target forward pass on a session's KV cache, free of gRPC.
 
 Concurrent Verify calls of different sessions are batched into one forward pass (specmesh/batched_forward.py). There
-is no batching thread and no waiting window: each call queues its request, and whichever caller gets the model next
-runs everything queued so far. An idle server therefore adds no latency, while under load each forward pass serves
-every session that arrived during the previous one (continuous batching).
+is no batching thread: each call queues its request, and whichever caller gets the model next runs everything queued
+so far (continuous batching). A lone session never waits. With several sessions active, a pass waits up to
+`max_batch_wait_s` for the active sessions that are not queued yet: without that, sessions whose calls come back
+right after their answers ping-pong (A runs while B queues, then B while A queues) and never share a pass.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -49,15 +51,22 @@ class _Request:
 
 
 class VerifyEngine:
-    def __init__(self, loaded: LoadedModel, limits: SessionLimits = SessionLimits(), max_batch_size: int = 8) -> None:
+    def __init__(self, loaded: LoadedModel, limits: SessionLimits = SessionLimits(), max_batch_size: int = 8,
+                 max_batch_wait_s: float = 0.02) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if not 0 <= max_batch_wait_s <= 10:
+            raise ValueError(f"max_batch_wait_s must be in 0..10, got {max_batch_wait_s}")
+        self.max_batch_wait_s = max_batch_wait_s
         self.loaded = loaded
         self.sessions = SessionStore(limits, kv_sessions(loaded.model))
         self.max_batch_size = max_batch_size if can_batch(loaded.model) else 1
         self._model_lock = threading.Lock()  # one forward pass at a time
         self._queue_lock = threading.Lock()
+        self._arrived = threading.Condition(self._queue_lock)  # notified when a request is queued
         self._queue: deque[_Request] = deque()
+        self._answered_at: dict[str, float] = {}  # session -> when it last got an answer (monotonic)
+        self._last_pass_s = 0.0
 
     def verify(self, session_id: str, base_length: int, base_hash: int, new_tokens: list[int],
                drafts: list[int], dists: list[SparseDist], params: SamplingParams, seed: int,
@@ -65,8 +74,9 @@ class VerifyEngine:
         """`is_active`: checked when the request's turn comes; a caller that has gone by then costs no forward pass."""
         request = _Request(session_id, base_length, base_hash, list(new_tokens), list(drafts), list(dists), params,
                            seed, is_active)
-        with self._queue_lock:
+        with self._arrived:
             self._queue.append(request)
+            self._arrived.notify_all()
         while not request.done:
             with self._model_lock:
                 if not request.done:  # else another caller ran it while we waited for the model
@@ -79,7 +89,8 @@ class VerifyEngine:
     def _take_batch(self) -> list[_Request]:
         """Up to max_batch_size queued requests, oldest first, at most one per session (a session's calls must run in
         order: a retry can arrive while its first attempt is still queued)."""
-        with self._queue_lock:
+        with self._arrived:
+            self._wait_for_active_sessions()
             batch, sessions, later = [], set(), deque()
             while self._queue and len(batch) < self.max_batch_size:
                 request = self._queue.popleft()
@@ -87,6 +98,24 @@ class VerifyEngine:
                 sessions.add(request.session_id)
             self._queue.extendleft(reversed(later))
             return batch
+
+    def _wait_for_active_sessions(self) -> None:
+        """Called holding the queue lock: give sessions answered within the last few passes up to max_batch_wait_s
+        to queue their next call, so that they join this pass."""
+        if self.max_batch_size == 1 or self.max_batch_wait_s == 0:
+            return
+        now = time.monotonic()
+        horizon = max(1.0, 3 * self._last_pass_s)
+        for session_id in [s for s, t in self._answered_at.items() if now - t > horizon]:
+            del self._answered_at[session_id]
+        deadline = now + self.max_batch_wait_s
+        while True:
+            queued = {r.session_id for r in self._queue}
+            expected = min(self.max_batch_size, len(queued | self._answered_at.keys()))
+            remaining = deadline - time.monotonic()
+            if len(queued) >= expected or remaining <= 0:
+                return
+            self._arrived.wait(remaining)
 
     def _run_batch(self, batch: list[_Request]) -> None:
         try:
@@ -126,6 +155,7 @@ class VerifyEngine:
         return fresh_length(request.session.sequence, self._tokens(request), len(request.drafts) + 1)
 
     def _verify_together(self, group: list[_Request]) -> None:
+        started = time.monotonic()
         try:
             # Row i of each logits tensor is the target's distribution for position start + i: k drafts + bonus.
             all_logits = batched_logits(self.loaded.model, [r.session.sequence for r in group],
@@ -136,6 +166,7 @@ class VerifyEngine:
                 self.sessions.end(request.session_id)
                 request.error = e
             return
+        self._last_pass_s = time.monotonic() - started
         metrics.VERIFY_BATCH_SIZE.observe(len(group))
         for request, target_logits in zip(group, all_logits):
             try:
@@ -150,6 +181,14 @@ class VerifyEngine:
             session.history.extend([*request.drafts[:verdict.accepted], verdict.next_token])
             request.outcome = VerifyOutcome(verdict, len(session.history))
             request.done = True
+            with self._queue_lock:
+                self._answered_at[request.session_id] = time.monotonic()
+
+    def end_session(self, session_id: str) -> bool:
+        """Forget a session: its KV cache, and that it may come back soon (no pass waits for it)."""
+        with self._queue_lock:
+            self._answered_at.pop(session_id, None)
+        return self.sessions.end(session_id)
 
     def warm_up(self) -> None:
         """Run one single and, when batching is on, one batched verification so the first real calls are not slow."""
@@ -162,5 +201,5 @@ class VerifyEngine:
             for request in pair:
                 if request.error is not None:
                     raise request.error
-                self.sessions.end(request.session_id)
-        self.sessions.end("warm-up")
+                self.end_session(request.session_id)
+        self.end_session("warm-up")

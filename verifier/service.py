@@ -48,7 +48,8 @@ class VerifierServicer(WorkerServicerBase, pb_grpc.VerifierServicer):
 
 
 def build_server(config: WorkerConfig, preloaded: LoadedModel | None = None) -> WorkerServer:
-    return WorkerServer(config, lambda loaded, server: VerifyEngine(loaded, server.config.limits, server.config.max_batch_size), VerifierServicer,
+    return WorkerServer(config, lambda loaded, server: VerifyEngine(loaded, server.config.limits, server.config.max_batch_size,
+                                                            server.config.max_batch_wait_s), VerifierServicer,
                         pb_grpc.add_VerifierServicer_to_server, SERVICE_NAME, preloaded)
 
 

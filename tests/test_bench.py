@@ -1,0 +1,45 @@
+"""The benchmark commands run end to end (tiny models, a few tokens): every mode produces a row, the reports are
+written, and speculative modes reproduce target-only greedy output. Speed is not asserted: benchmarks measure it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+TINY = ["--target-model", "tiny-random-qwen2", "--draft-model", "tiny-random-qwen2", "--dtype", "float32"]
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "coordinator", *args], capture_output=True, text=True, timeout=600)
+
+
+def test_coordinator_bench_runs_every_mode_and_writes_reports(tmp_path):
+    modes = "target-only,adaptive,adaptive-cost,pipelined,3,ngram,hf-assisted,hf-target"
+    done = run("bench", *TINY, "--modes", modes, "--classes", "code", "--limit-prompts", "1",
+               "--max-new-tokens", "12", "--out-dir", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert {row["mode"] for row in report["rows"]} == {"target-only", "adaptive", "adaptive-cost", "pipelined", "k=3",
+                                                       "ngram", "hf-assisted", "hf-target"}
+    speculative = [r for r in report["rows"] if r["mode"] in ("adaptive", "adaptive-cost", "pipelined", "k=3")]
+    # The draft model is the target itself: every draft is accepted and nothing diverges from target-only.
+    assert all(r["diverges_at"] is None and r["acceptance_rate"] == 1.0 for r in speculative)
+    assert "| all | adaptive |" in (tmp_path / "bench.md").read_text()
+    assert (tmp_path / "bench.png").stat().st_size > 1000
+
+
+def test_coordinator_bench_concurrency_compares_batching_off_and_on(tmp_path):
+    done = run("bench-concurrency", *TINY, "--modes", "target-only", "--concurrency", "1,3", "--max-new-tokens", "6",
+               "--out-dir", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    rows = json.loads((tmp_path / "concurrency.json").read_text())["rows"]
+    assert sorted((r["concurrency"], r["max_batch_size"]) for r in rows) == [(1, 1), (1, 8), (3, 1), (3, 8)]
+    assert all(0 < r["tokens"] <= 6 * r["concurrency"] for r in rows)
+    table = (tmp_path / "concurrency.md").read_text()
+    assert "| target-only | 3 |" in table and "| yes |" in table
+
+
+def test_bench_rejects_unknown_modes():
+    done = run("bench", "--modes", "fastest")
+    assert done.returncode == 2 and "unknown mode" in done.stderr

@@ -41,6 +41,7 @@ if str(REPO) not in sys.path:
 
 from coordinator import Coordinator, GenerationOptions  # noqa: E402
 from coordinator.workers import LocalWorkerSpec, local_workers  # noqa: E402
+from specmesh import onednn  # noqa: E402
 from specmesh.defaults import DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL  # noqa: E402
 
 DEFAULT_PROMPTS = REPO / "scripts" / "bench_prompts.json"
@@ -519,7 +520,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads, workers and HF alike")
-    parser.add_argument("--linear-backend", choices=("auto", "torch", "onednn"), default="auto",
+    parser.add_argument("--linear-backend", choices=onednn.BACKENDS, default="auto",
                         help="CPU linear kernels, workers and HF alike (specmesh/onednn.py; default: auto)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--modes", default=DEFAULT_MODES,

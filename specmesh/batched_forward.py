@@ -100,10 +100,9 @@ def _padded_cache(model: torch.nn.Module, sequences: Sequence[CachedSequence], l
         return cache
     donor = next(s for s in sequences if s.cached_tokens)  # any row with a cache gives the per-layer shapes
     for index, donor_layer in enumerate(donor.cache.layers):
-        keys = donor_layer.keys.new_zeros((len(sequences), *donor_layer.keys.shape[1:2], l_max,
-                                           donor_layer.keys.shape[-1]))
-        values = donor_layer.values.new_zeros((len(sequences), *donor_layer.values.shape[1:2], l_max,
-                                               donor_layer.values.shape[-1]))
+        _, heads, _, key_dim = donor_layer.keys.shape  # [1, heads, length, dim]
+        keys = donor_layer.keys.new_zeros((len(sequences), heads, l_max, key_dim))
+        values = donor_layer.values.new_zeros((len(sequences), heads, l_max, donor_layer.values.shape[-1]))
         for row, sequence in enumerate(sequences):
             length = len(sequence.cached_tokens)
             if length:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from specmesh import logs, metrics
+from specmesh import logs, metrics, onednn
 from specmesh.devices import dtype_name
 from specmesh.history import ResyncRequired
 from specmesh.models import LoadedModel, load_model
@@ -78,8 +78,9 @@ class WorkerConfig:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.max_message_bytes < 1024:
             raise ValueError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
-        if self.linear_backend not in ("auto", "torch", "onednn"):
-            raise ValueError(f"linear_backend must be auto, torch or onednn, got {self.linear_backend!r}")
+        if self.linear_backend not in onednn.BACKENDS:
+            raise ValueError(f"linear_backend must be one of {', '.join(onednn.BACKENDS)}, "
+                             f"got {self.linear_backend!r}")
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         if not 0 <= self.max_batch_wait_s <= 10:

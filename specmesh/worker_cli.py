@@ -14,6 +14,7 @@ import threading
 from collections.abc import Callable
 
 from specmesh import config as flag_config
+from specmesh import onednn
 from specmesh.config import add_config_argument
 from specmesh.logs import configure_logging
 from specmesh.metrics import serve_metrics
@@ -30,7 +31,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser, default_model: str) -> 
     parser.add_argument("--device", default="auto", help="auto|cpu|cuda|cuda:N (default: auto)")
     parser.add_argument("--dtype", default="auto", help="auto|float32|bfloat16|float16|float64 (default: auto = bf16 "
                         "on CUDA and on CPUs with avx512_bf16/AMX, else float32)")
-    parser.add_argument("--linear-backend", choices=("auto", "torch", "onednn"), default="auto",
+    parser.add_argument("--linear-backend", choices=onednn.BACKENDS, default="auto",
                         help="CPU linear layers: onednn pre-packs the weights for oneDNN, which makes a pass over a "
                         "few tokens (verifying k drafts, batched sessions) far cheaper than torch's default kernels; "
                         "auto = onednn on CPU where it supports the dtype (default: auto)")

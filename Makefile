@@ -14,6 +14,7 @@ setup: $(VENV)/.installed models
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check "torch==2.13.0"
+	@$(PY) -c "import llama_cpp" 2>/dev/null || echo "make setup: building llama-cpp-python from source (first time on this machine: about 10 minutes; pip caches the wheel)"
 	$(PY) -m pip install -q --disable-pip-version-check -e ".[test]"
 	touch $@
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from coordinator.draft_length import DEFAULT_POLICY, POLICIES
+from coordinator.draft_length import DEFAULT_POLICY, POLICIES, PRIOR_ACCEPTANCE, CostEstimate
 from coordinator.fleet import WorkerPool
 from coordinator.loop import DraftLength, LoopConfig, LoopResult, speculative_decode
 from coordinator.record import Recorder
@@ -88,7 +88,7 @@ class GenerationResult:
     rounds: list = field(default_factory=list)  # coordinator.loop.RoundRecord per round
 
 
-def summarize(loop: LoopResult, elapsed_s: float, seed: int, faults: FaultStats) -> dict:
+def summarize(loop: LoopResult, elapsed_s: float, seed: int, faults: FaultStats, engines: dict | None = None) -> dict:
     rounds = len(loop.rounds)
     drafted = sum(r.drafted for r in loop.rounds)
     accepted = sum(r.accepted for r in loop.rounds)
@@ -107,6 +107,7 @@ def summarize(loop: LoopResult, elapsed_s: float, seed: int, faults: FaultStats)
         "verify_s": round(sum(r.verify_s for r in loop.rounds), 4),
         "seed": seed,
         **faults.as_dict(),
+        **(engines or {}),
     }
 
 
@@ -138,6 +139,10 @@ class Coordinator:
             self.close()
             raise
         self.eos_token_ids = frozenset(self.verifier_info.eos_token_ids)
+        self.cost_prior = cost_prior(self.verifier_info, self.drafter_info)
+        # Which model runtime each side runs (transformers, llamacpp; "" for a model-free drafter), for the stats.
+        self.engines = {"verifier_engine": self.verifier_info.engine,
+                        **({"drafter_engine": self.drafter_info.engine} if self.drafter_info is not None else {})}
         metrics.register_state(f"coordinator:{id(self)}", self._state_metrics)
 
     def _state_metrics(self):
@@ -200,7 +205,8 @@ class Coordinator:
             raise ValueError("the prompt is empty")
         seed = options.seed if options.seed is not None else (random.getrandbits(63) if options.temperature else 0)
         use_drafter = self.drafters is not None and options.draft_tokens != 0
-        draft_length = (DraftLength(policy=options.draft_policy) if options.draft_tokens is None
+        draft_length = (DraftLength(policy=options.draft_policy, prior=self.cost_prior)
+                        if options.draft_tokens is None
                         else DraftLength.fixed(options.draft_tokens))
         config = LoopConfig(max_new_tokens=options.max_new_tokens, eos_token_ids=self.eos_token_ids,
                             draft_length=draft_length, pipeline=options.pipeline)
@@ -219,7 +225,8 @@ class Coordinator:
         except (grpc.RpcError, NoWorkerAvailable) as e:
             stream.finish()
             partial = GenerationResult(stream.text, loop.tokens, len(prompt_ids), "error",
-                                       summarize(loop, time.perf_counter() - started, seed, faults), loop.rounds)
+                                       summarize(loop, time.perf_counter() - started, seed, faults, self.engines),
+                                       loop.rounds)
             metrics.record_generation(partial, time.perf_counter() - started)
             self._finished(session_id, prompt, prompt_ids, options, partial)
             reason = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) else str(e)
@@ -230,7 +237,8 @@ class Coordinator:
                 drafter.end()
         text = stream.finish()
         result = GenerationResult(text, loop.tokens, len(prompt_ids), loop.finish_reason,
-                                  summarize(loop, time.perf_counter() - started, seed, faults), loop.rounds)
+                                  summarize(loop, time.perf_counter() - started, seed, faults, self.engines),
+                                  loop.rounds)
         metrics.record_generation(result, time.perf_counter() - started)
         self._finished(session_id, prompt, prompt_ids, options, result)
         return result
@@ -242,6 +250,14 @@ class Coordinator:
         if self.recorder is not None:
             self.recorder.write(session_id=session_id, prompt=prompt, prompt_ids=prompt_ids, options=options,
                                 result=result)
+
+
+def cost_prior(verifier_info, drafter_info) -> CostEstimate | None:
+    """The workers' warm-up cost measurements as the cost policy's starting point (None when not reported)."""
+    if drafter_info is None or verifier_info.verify_base_s <= 0:
+        return None
+    return CostEstimate(PRIOR_ACCEPTANCE, drafter_info.draft_per_token_s, verifier_info.verify_base_s,
+                        verifier_info.verify_per_draft_s)
 
 
 def check_compatible(drafter_info, verifier_info) -> None:

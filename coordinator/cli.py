@@ -15,6 +15,7 @@ from specmesh import catalog
 from specmesh import config as flag_config
 from specmesh.config import add_config_argument
 from specmesh.defaults import DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL
+from specmesh.runtime.engine import ENGINES
 
 
 def add_fleet_arguments(p: argparse.ArgumentParser) -> None:
@@ -29,6 +30,9 @@ def add_fleet_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"model for a locally started verifier (default: {DEFAULT_TARGET_MODEL})")
     p.add_argument("--dtype", default="auto", help="dtype of locally started workers (default: auto)")
     p.add_argument("--device", default="auto", help="device of locally started workers (default: auto)")
+    p.add_argument("--engine", choices=ENGINES, default="auto",
+                   help="model runtime of locally started workers: llamacpp (GGUF, quantized), transformers (torch); "
+                   "auto = llamacpp for GGUF/catalog models on CPU unless --dtype is given (default: auto)")
     p.add_argument("--draft-tokens", type=int, default=None,
                    help="fixed draft length k; 0 = target-only decoding (default: adaptive)")
     p.add_argument("--draft-policy", choices=POLICIES, default=DEFAULT_POLICY,
@@ -113,8 +117,14 @@ def print_summary(result) -> None:
     rate = "n/a" if s["acceptance_rate"] is None else f"{s['acceptance_rate']:.1%}"
     print(f"\n[{result.finish_reason}] {s['new_tokens']} new tokens in {s['elapsed_s']:.2f} s "
           f"({s['tokens_per_s']:.2f} tokens/s); acceptance rate {rate}; "
-          f"mean accepted length {s['mean_accepted_length']:.2f} tokens/round; {s['rounds']} rounds{faults}",
+          f"mean accepted length {s['mean_accepted_length']:.2f} tokens/round; {s['rounds']} rounds{faults}"
+          f"; engine {_engines(s)}",
           file=sys.stderr)
+
+
+def _engines(stats: dict) -> str:
+    verifier, drafter = stats.get("verifier_engine") or "?", stats.get("drafter_engine")
+    return verifier if drafter in (None, verifier) else f"verifier {verifier}, drafter {drafter or 'model-free'}"
 
 
 @contextmanager
@@ -125,9 +135,9 @@ def connected(args: argparse.Namespace, progress: bool) -> Iterator:
     need_drafter = args.draft_tokens != 0
     specs = []
     if args.verifier is None:
-        specs.append(LocalWorkerSpec("verifier", args.target_model, args.device, args.dtype))
+        specs.append(LocalWorkerSpec("verifier", args.target_model, args.device, args.dtype, engine=args.engine))
     if need_drafter and args.drafter is None:
-        specs.append(LocalWorkerSpec("drafter", args.draft_model, args.device, args.dtype))
+        specs.append(LocalWorkerSpec("drafter", args.draft_model, args.device, args.dtype, engine=args.engine))
     from specmesh.metrics import serve_metrics
     metrics_port = serve_metrics(args.metrics_port, args.metrics_host)
     if metrics_port is not None:

@@ -15,13 +15,17 @@ Both are pure functions of the round history, so they are unit-testable and keep
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 POLICIES = ("heuristic", "cost")
-DEFAULT_POLICY = "heuristic"
+DEFAULT_POLICY = "cost"
 WINDOW = 32  # recent rounds the cost model looks at: the text changes character within a generation
 PROBE_EVERY = 8  # with k = 0 chosen, one round in this many drafts `minimum` tokens to keep measuring acceptance
+# With k = 0 chosen because drafting could not pay even if every draft were accepted (a slow drafter, a verifier whose
+# cost grows with every draft), acceptance is not worth measuring: probe only this rarely, to notice changed costs.
+PROBE_RARELY = 64
+PRIOR_ACCEPTANCE = 0.7  # per-token acceptance assumed before any round has measured it
 MIN_DRAFTED_ROUNDS = 3  # below this the cost model has too little data and the heuristic decides
 
 
@@ -51,19 +55,36 @@ class CostEstimate:
     def best_k(self, maximum: int) -> int:
         return max(range(maximum + 1), key=self.tokens_per_s)
 
+    def could_pay(self, maximum: int) -> bool:
+        """Whether some k >= 1 would do at least as well as k = 0 if every draft were accepted."""
+        certain = replace(self, acceptance=1.0)
+        return max(map(certain.tokens_per_s, range(1, maximum + 1)), default=0.0) >= certain.tokens_per_s(0)
+
+
+def recent_drafted(rounds: Sequence[Round]) -> list[Round]:
+    """The last WINDOW rounds that carried drafts (round 0, the prefill, left out): what is known about drafting,
+    however long ago the policy last drafted."""
+    return [r for r in rounds[1:] if r.drafted][-WINDOW:]
+
+
+def measured_acceptance(rounds: Sequence[Round]) -> float | None:
+    """Maximum-likelihood per-token acceptance under the geometric model (each accepted draft token a success, each
+    round that stopped before its last draft one failure), over recent drafted rounds; None without any."""
+    drafted = recent_drafted(rounds)
+    accepted = sum(r.accepted for r in drafted)
+    stopped_early = sum(r.accepted < r.drafted for r in drafted)
+    return accepted / (accepted + stopped_early) if accepted + stopped_early else None
+
 
 def estimate_costs(rounds: Sequence[Round]) -> CostEstimate | None:
     """Fit the cost model to recent rounds; None while there is too little data (too few drafted rounds, or verify
     times seen at only one draft length so v(k)'s slope is unknown)."""
-    recent = list(rounds[1:])[-WINDOW:]  # round 0 carries the prompt's prefill: not a typical round
-    drafted = [r for r in recent if r.drafted]
+    drafted = recent_drafted(rounds)
+    # Verify times: the recent rounds and the last drafted ones (round 0 carries the prompt's prefill: left out).
+    recent = list({id(r): r for r in [*drafted, *list(rounds[1:])[-WINDOW:]]}.values())
     if len(drafted) < MIN_DRAFTED_ROUNDS or len({r.drafted for r in recent}) < 2:
         return None
-    accepted = sum(r.accepted for r in drafted)
-    # Maximum-likelihood per-token acceptance under the geometric model: each accepted draft token is a success,
-    # each round that stopped before its last draft one failure.
-    stopped_early = sum(r.accepted < r.drafted for r in drafted)
-    acceptance = accepted / (accepted + stopped_early) if accepted + stopped_early else 0.0
+    acceptance = measured_acceptance(rounds) or 0.0
     draft_s_per_token = sum(r.draft_s for r in drafted) / sum(r.drafted for r in drafted)
     # Least squares line through (k, verify seconds).
     n = len(recent)
@@ -85,6 +106,8 @@ class DraftLength:
     minimum: int = 1
     maximum: int = 16
     policy: str = DEFAULT_POLICY
+    # cost policy: the workers' own cost measurements (Info), used until this generation has measured enough rounds
+    prior: CostEstimate | None = None
 
     def __post_init__(self) -> None:
         if self.initial < 0 or self.minimum < 1 or self.maximum < self.minimum:
@@ -93,6 +116,21 @@ class DraftLength:
             raise ValueError(f"initial draft length {self.initial} outside [{self.minimum}, {self.maximum}]")
         if self.policy not in POLICIES:
             raise ValueError(f"draft policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+
+    def first(self) -> int:
+        """The first round's draft length: with the cost policy and the workers' cost prior, what the prior says pays
+        (possibly 0); otherwise `initial`."""
+        if self.adaptive and self.policy == "cost" and self.prior is not None:
+            best = self.prior.best_k(self.maximum)
+            return best if best >= self.minimum else 0
+        return self.initial
+
+    def _from_prior(self, rounds: Sequence[Round]) -> CostEstimate | None:
+        """The workers' measured costs, with this generation's acceptance once it has drafted."""
+        if self.prior is None:
+            return None
+        acceptance = measured_acceptance(rounds)
+        return self.prior if acceptance is None else replace(self.prior, acceptance=acceptance)
 
     @classmethod
     def fixed(cls, k: int) -> "DraftLength":
@@ -104,13 +142,14 @@ class DraftLength:
         if not self.adaptive:
             return k
         if self.policy == "cost":
-            estimate = estimate_costs(rounds)
+            estimate = estimate_costs(rounds) or self._from_prior(rounds)
             if estimate is not None:
                 best = estimate.best_k(self.maximum)
                 if best >= self.minimum:
                     return best
                 # Drafting does not pay now; keep probing so a change (say, code after prose) is noticed.
-                probing = all(r.drafted == 0 for r in rounds[-(PROBE_EVERY - 1):])
+                every = PROBE_EVERY if estimate.could_pay(self.maximum) else PROBE_RARELY
+                probing = len(rounds) >= every and all(r.drafted == 0 for r in rounds[-(every - 1):])
                 return self.minimum if probing else 0
         last = rounds[-1] if rounds else None
         if last is None or not last.drafted:  # a round without drafts says nothing about k

@@ -80,7 +80,7 @@ def speculative_decode(drafter: DraftSource | None, target: TargetSession, confi
     True to stop (stop strings live in text, which only the caller decodes). Pass `result` to keep what was generated
     if a worker fails mid-way: it is filled in place."""
     result = result if result is not None else LoopResult()
-    k = config.draft_length.initial if drafter is not None else 0
+    k = config.draft_length.first() if drafter is not None else 0
     pipelined = config.pipeline and drafter is not None
     with ThreadPoolExecutor(1, thread_name_prefix="draft-ahead") if pipelined else nullcontext() as ahead_pool:
         ready: Draft | None = None  # pipelining: the next draft, drafted while the previous round was verified

@@ -87,6 +87,7 @@ class LocalWorkerSpec:
     dtype: str = "auto"
     threads: int | None = None
     port: int = 0  # 0: a free port chosen by the worker
+    engine: str = "auto"  # transformers | llamacpp | auto (llama.cpp for GGUF models on CPU)
     extra_args: tuple[str, ...] = ()
 
 
@@ -98,7 +99,8 @@ class LocalWorker:
         self.log_path = os.path.join(log_dir, f"{spec.role}.log")
         self._log = open(self.log_path, "ab")
         command = [sys.executable, "-m", spec.role, "serve", "--model", spec.model, "--host", "127.0.0.1",
-                   "--port", str(spec.port), "--device", spec.device, "--dtype", spec.dtype, "--grace", "1",
+                   "--port", str(spec.port), "--device", spec.device, "--dtype", spec.dtype, "--engine", spec.engine,
+                   "--grace", "1",
                    *spec.extra_args]
         if spec.threads:
             command += ["--threads", str(spec.threads)]

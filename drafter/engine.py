@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from specmesh.history import EMPTY_HASH
-from specmesh.models import LoadedModel
+from specmesh.history import EMPTY_HASH, TokenHistory
+from specmesh.runtime.engine import ModelEngine, as_engine
 from specmesh.sampling import SamplingParams, SparseDist, draft_sample
 from specmesh.serving import Cancelled
 from specmesh.sessions import SessionLimits, SessionStore, kv_sessions
@@ -27,10 +28,11 @@ class DraftEngine:
     cache rolls back to the longest prefix shared with the new committed history (explicit rollback of the rest).
     """
 
-    def __init__(self, loaded: LoadedModel, limits: SessionLimits = SessionLimits()) -> None:
-        self.loaded = loaded
-        self.sessions = SessionStore(limits, kv_sessions(loaded.model))
+    def __init__(self, loaded: ModelEngine, limits: SessionLimits = SessionLimits()) -> None:
+        self.loaded = loaded = as_engine(loaded)  # the model engine: transformers or llama.cpp
+        self.sessions = SessionStore(limits, kv_sessions(loaded))
         self._lock = threading.Lock()  # one forward pass at a time: CPU threads are already all in use
+        self.draft_per_token_s = 0.0  # measured by warm_up
 
     def propose(self, session_id: str, base_length: int, base_hash: int, new_tokens: list[int], k: int,
                 params: SamplingParams, seed: int, is_active: Callable[[], bool] = lambda: True) -> Proposal:
@@ -52,7 +54,17 @@ class DraftEngine:
             self.sessions.enforce_memory()
             return Proposal(tuple(tokens), tuple(dists), len(committed))
 
-    def warm_up(self) -> None:
-        self.propose("warm-up", 0, EMPTY_HASH, [0, 1, 2, 3], 2, SamplingParams(), 0)
+    def warm_up(self, drafts: int = 4, repeats: int = 3) -> None:
+        """One proposal so the first real call is not slow; then measure seconds per draft token (the fastest of a
+        few proposals, on a short context), the coordinator's prior for its draft length policy."""
+        context = [(7 * i + 3) % max(self.loaded.vocab_size, 1) for i in range(32)]
+        self.propose("warm-up", 0, EMPTY_HASH, context, 1, SamplingParams(), 0)
+        timings = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            self.propose("warm-up", len(context), TokenHistory(context).hash_at(len(context)), [], drafts,
+                         SamplingParams(), 0)  # the drafts are rejected: each proposal drafts from the same context
+            timings.append(time.perf_counter() - started)
         self.sessions.end("warm-up")
+        self.draft_per_token_s = min(timings) / drafts
 

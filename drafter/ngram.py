@@ -34,7 +34,7 @@ from specmesh.models import LoadedModel
 from specmesh.sampling import SamplingParams, SparseDist
 from specmesh.serving import Cancelled, WorkerConfig, WorkerServer
 from specmesh.sessions import SessionLimits, SessionStore
-from specmesh.tokenizer import load_tokenizer
+from specmesh.tokenizer import load_tokenizer, tokenizer_dir
 
 
 DEFAULT_MIN_NGRAM = 1
@@ -169,9 +169,11 @@ def _tokenizer_width(tokenizer) -> int:
 
 def _model_config(spec: str) -> dict | None:
     """The model's config.json, read without loading weights; None when there is none to read."""
-    source = models._gguf_source(spec)
-    if source is not None:
-        path = models.converted_dir(source[1], source[2]) / "config.json"  # load_tokenizer converted it
+    source = models.gguf_source(spec)
+    if source is not None:  # load_tokenizer converted the whole model, or the tokenizer with the config
+        path = models.converted_dir(source[1], source[2]) / "config.json"
+        if not path.is_file():
+            path = tokenizer_dir(source[1], source[2]) / "config.json"
     else:
         path = Path(spec).expanduser() / "config.json"
     if path.is_file():
@@ -201,7 +203,7 @@ def load_ngram_info(spec: str, vocab_size: int | None = None, progress: bool = T
     tokenizer = load_tokenizer(spec, progress=progress)
     config = None
     if models.is_tiny_preset(spec):
-        multiple = models._TINY_VOCAB_MULTIPLE
+        multiple = models.TINY_VOCAB_MULTIPLE
         width = -(-len(tokenizer) // multiple) * multiple
         max_positions = 2048
     else:

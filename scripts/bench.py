@@ -1,20 +1,28 @@
 """Side-by-side benchmark: specmesh target-only, speculative (draft model, adaptive or fixed k), n-gram drafting, and
-in-process Hugging Face transformers baselines, on the same prompts, models and dtype, in one run.
+in-process Hugging Face transformers and llama.cpp baselines, on the same prompts, models and dtype, in one run.
 
 Phase 1 starts a verifier, a model drafter and an n-gram drafter (`drafter serve --method ngram`) as local
 subprocesses (or uses the given addresses) and, prompt by prompt, runs target-only decoding (k = 0, the baseline) then
 every specmesh mode on the SAME workers. Phase 2 stops them, loads the models in-process with specmesh.models.load_model
 and runs `model.generate()` (target-only) and `model.generate(assistant_model=draft)` (HF assisted generation, HF's
 defaults) greedily on the same chat-templated prompt ids with the same max_new_tokens (`hf-ngram`:
-`prompt_lookup_num_tokens`). All decoding is greedy.
+`prompt_lookup_num_tokens`). Phase 3 (GGUF targets only: catalog names and .gguf paths) loads the target's GGUF with
+llama-cpp-python's high-level `Llama` and runs its own greedy loop (`llama-target`) and its prompt-lookup decoding
+(`llama-lookup`: LlamaPromptLookupDecoding, --hf-prompt-lookup-tokens and --ngram-max) on the same prompt ids; with a
+non-GGUF target (or without llama-cpp-python) these modes are skipped with a note. All decoding is greedy.
 
-Per mode: tokens/s, speedup over specmesh target-only (per-prompt ratio of tokens/s, geometric mean) and over HF
-target-only, acceptance rate, mean accepted length (tokens per target pass), rounds, a per-round breakdown (draft_s
-and verify_s are the coordinator's wall times of the Propose and Verify calls, RPC included; rest = everything else:
-loop, text streaming, session teardown), the first token where the output diverges from target-only, and the analytic
-speedup E / (k*c + v(k)) with E = (1 - a^(k+1)) / (1 - a), a = measured acceptance rate, k = mean draft length,
-c = draft cost per drafted token and v(k) = verify cost per round, both relative to one target-only round (steady
-state: the first round of each generation, which holds the prefill, is left out).
+The workers run on `--engine` (auto | transformers | llamacpp; `--target-engine` / `--draft-engine` override one side);
+the report records the engines asked for, the ones the workers run and the CPU flags of the machine. llama.cpp's
+batched evaluation is not bit-identical to its one-token evaluation, so on that engine speculative output may drift
+from target-only: the first-divergence column (always against this run's specmesh target-only) is the exactness report.
+
+Per mode: tokens/s, speedup over specmesh target-only (per-prompt ratio of tokens/s, geometric mean), over HF
+target-only and over llama.cpp target-only, acceptance rate, mean accepted length (tokens per target pass), rounds, a
+per-round breakdown (draft_s and verify_s are the coordinator's wall times of the Propose and Verify calls, RPC
+included; rest = everything else: loop, text streaming, session teardown), the first token where the output diverges
+from target-only, and the analytic speedup E / (k*c + v(k)) with E = (1 - a^(k+1)) / (1 - a), a = measured acceptance
+rate, k = mean draft length, c = draft cost per drafted token and v(k) = verify cost per round, both relative to one
+target-only round (steady state: the first round of each generation, which holds the prefill, is left out).
 
     python scripts/bench.py --classes code,quote --limit-prompts 2 --max-new-tokens 64 --out-dir bench-out
     python scripts/bench.py --modes target-only,adaptive,4,ngram --limit-prompts code=2,prose=1,quote=1
@@ -26,8 +34,11 @@ Writes JSON, a markdown report and a PNG plot of the speedup per prompt (needs m
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
+import os
+import re
 import statistics
 import sys
 import time
@@ -43,11 +54,13 @@ from coordinator import Coordinator, GenerationOptions  # noqa: E402
 from coordinator.workers import LocalWorkerSpec, local_workers  # noqa: E402
 from specmesh import onednn  # noqa: E402
 from specmesh.defaults import DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL  # noqa: E402
+from specmesh.runtime.engine import ENGINES, choose_engine, is_gguf_spec, llamacpp_available  # noqa: E402
 
 DEFAULT_PROMPTS = REPO / "scripts" / "bench_prompts.json"
-DEFAULT_MODES = "target-only,adaptive,adaptive-cost,pipelined,4,ngram,hf-assisted,hf-target"
+DEFAULT_MODES = "target-only,adaptive,adaptive-cost,pipelined,4,ngram,hf-assisted,hf-target,llama-target,llama-lookup"
 BASELINE = "target-only"
 HF_BASELINE = "hf-target"
+LLAMA_BASELINE = "llama-target"
 
 
 # --------------------------------------------------------------------------
@@ -58,8 +71,9 @@ HF_BASELINE = "hf-target"
 @dataclass(frozen=True)
 class Mode:
     name: str  # as shown in tables
-    kind: str  # "specmesh" or "hf"
-    drafter: str | None = None  # specmesh: None (target-only), "model" or "ngram"; hf: "model", "ngram" or None
+    kind: str  # "specmesh", "hf" or "llamacpp"
+    drafter: str | None = None  # specmesh: None (target-only), "model" or "ngram"; hf: "model", "ngram" or None;
+    #                             llamacpp: None (llama-target) or "ngram" (llama-lookup)
     k: int | None = None  # specmesh: draft length, None = adaptive
     policy: str = "heuristic"  # specmesh adaptive k: coordinator/draft_length.py
     pipeline: bool = False  # specmesh: draft the next round during this round's verify
@@ -92,8 +106,12 @@ def parse_mode(text: str) -> Mode:
         return Mode("hf-assisted", "hf", "model")
     if t in ("hf-ngram", "hf-prompt-lookup"):
         return Mode("hf-ngram", "hf", "ngram")
+    if t in ("llama-target", "llama", "llamacpp-target", "llamacpp"):
+        return Mode(LLAMA_BASELINE, "llamacpp")
+    if t in ("llama-lookup", "llama-prompt-lookup", "llamacpp-lookup"):
+        return Mode("llama-lookup", "llamacpp", "ngram")
     raise ValueError(f"unknown mode {text!r}: expected target-only|0, adaptive, adaptive-cost, pipelined, K, ngram, ngram-cost, "
-                     "ngram:K, hf-target, hf-assisted or hf-ngram")
+                     "ngram:K, hf-target, hf-assisted, hf-ngram, llama-target or llama-lookup")
 
 
 def parse_modes(text: str) -> list[Mode]:
@@ -108,6 +126,77 @@ def parse_modes(text: str) -> list[Mode]:
     if parse_mode(BASELINE) not in modes:  # every speedup is relative to it
         modes.insert(0, parse_mode(BASELINE))
     return modes
+
+
+def llama_skip_reason(target_model: str) -> str | None:
+    """Why the llama.cpp baselines cannot run for this target (None: they can)."""
+    if not is_gguf_spec(target_model):
+        return (f"the target {target_model!r} is not a GGUF model (a catalog name or a .gguf path); "
+                "the llama.cpp baselines run GGUF files only")
+    if not llamacpp_available():
+        return "llama-cpp-python is not installed (pip install llama-cpp-python)"
+    return None
+
+
+def drop_unrunnable(modes: list[Mode], target_model: str) -> tuple[list[Mode], dict[str, str]]:
+    """(the modes that can run, {skipped mode: reason}): llama.cpp baselines need a GGUF target and llama-cpp-python.
+    Skipping is not an error: the default mode list holds them, and most test models are not GGUF."""
+    llama = [m for m in modes if m.kind == "llamacpp"]
+    reason = llama_skip_reason(target_model) if llama else None
+    if reason is None:
+        return modes, {}
+    return [m for m in modes if m.kind != "llamacpp"], {m.name: reason for m in llama}
+
+
+def requested_engines(args) -> dict[str, str]:
+    """The --engine asked for on each side (--target-engine / --draft-engine override --engine)."""
+    return {"target": args.target_engine or args.engine, "draft": args.draft_engine or args.engine}
+
+
+def resolved_engines(args) -> dict[str, str]:
+    """What "auto" resolves to for each side's model (specmesh.runtime.engine.choose_engine, as the workers do)."""
+    asked = requested_engines(args)
+    return {"target": choose_engine(asked["target"], args.target_model, args.device, args.dtype),
+            "draft": choose_engine(asked["draft"], args.draft_model, args.device, args.dtype)}
+
+
+CPU_FLAG = re.compile(r"avx2|avx512.*|amx.*|avx_vnni.*")
+
+
+def cpu_features(llama_system_info: str | None = None) -> dict:
+    """The vector/matrix extensions this run could use: the CPU's flags (/proc/cpuinfo), the kernels torch picked and,
+    when llama.cpp ran, the features its build uses (from llama_print_system_info)."""
+    flags: list[str] = []
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                if line.startswith("flags"):
+                    flags = sorted(f for f in line.split(":", 1)[1].split() if CPU_FLAG.fullmatch(f))
+                    break
+    except OSError:
+        pass
+    try:
+        import torch
+
+        torch_capability = torch.backends.cpu.get_cpu_capability()
+    except Exception:  # noqa: BLE001 - old torch, no torch: just not reported
+        torch_capability = None
+    out = {"cpu_flags": flags, "torch_cpu_capability": torch_capability, "cpu_count": os.cpu_count()}
+    if llama_system_info:
+        out["llamacpp_system_info"] = llama_system_info.strip()
+        out["llamacpp_cpu_features"] = [name.lower() for name, on in
+                                        re.findall(r"([A-Za-z0-9_]+) = (\d+)", llama_system_info)
+                                        if on != "0" and CPU_FLAG.fullmatch(name.lower())]
+    return out
+
+
+def llamacpp_system_info() -> str | None:
+    try:
+        import llama_cpp
+
+        return llama_cpp.llama_print_system_info().decode(errors="replace")
+    except Exception:  # noqa: BLE001 - not installed or too old: not reported
+        return None
 
 
 def load_prompts(path: Path, classes: list[str], limit: str | None, ids: list[str] | None) -> list[dict]:
@@ -189,11 +278,12 @@ def run_specmesh(args, modes: list[Mode], prompts: list[dict], log) -> tuple[dic
     with ExitStack() as stack:
         common = dict(device=args.device, dtype=args.dtype, threads=args.threads,
                       extra_args=("--linear-backend", args.linear_backend))
+        engines = requested_engines(args)
         specs = []
         if not args.verifier:
-            specs.append(LocalWorkerSpec("verifier", args.target_model, **common))
+            specs.append(LocalWorkerSpec("verifier", args.target_model, engine=engines["target"], **common))
         if need_model and not args.drafter:
-            specs.append(LocalWorkerSpec("drafter", args.draft_model, **common))
+            specs.append(LocalWorkerSpec("drafter", args.draft_model, engine=engines["draft"], **common))
         addresses = dict(stack.enter_context(local_workers(specs))) if specs else {}
         verifier = args.verifier or addresses["verifier"]
         drafter = args.drafter or addresses.get("drafter")
@@ -216,6 +306,11 @@ def run_specmesh(args, modes: list[Mode], prompts: list[dict], log) -> tuple[dic
         info = {"target": base.verifier_info.model_name, "dtype": base.verifier_info.dtype,
                 "device": base.verifier_info.device, "eos_token_ids": sorted(base.verifier_info.eos_token_ids),
                 "draft": coordinators["model"].drafter_info.model_name if need_model else None,
+                # What the workers report they run (older workers report nothing: None).
+                "verifier_engine": getattr(base.verifier_info, "engine", None) or None,
+                "drafter_engine": (getattr(coordinators["model"].drafter_info, "engine", None) or None)
+                if need_model else None,
+                "draft_dtype": coordinators["model"].drafter_info.dtype if need_model else None,
                 "ngram": {"min": args.ngram_min, "max": args.ngram_max} if need_ngram else None}
 
         prompt_ids = {p["id"]: base.encode_prompt(p["prompt"], chat=not args.no_chat) for p in prompts}
@@ -322,7 +417,8 @@ def run_hf(args, modes: list[Mode], prompts: list[dict], prompt_ids: dict, eos_i
             row = best_of(args.repeats, once)
             rows.append(row)
             log(row)
-    hf_info = {"transformers_assisted_defaults": {"num_assistant_tokens": 20, "num_assistant_tokens_schedule":
+    hf_info = {"hf_dtype": str(target.dtype).removeprefix("torch."),
+               "transformers_assisted_defaults": {"num_assistant_tokens": 20, "num_assistant_tokens_schedule":
                                                   "constant", "assistant_confidence_threshold": 0.4}
                if draft is not None else None,
                "hf_prompt_lookup_num_tokens": args.hf_prompt_lookup_tokens
@@ -331,18 +427,123 @@ def run_hf(args, modes: list[Mode], prompts: list[dict], prompt_ids: dict, eos_i
 
 
 # --------------------------------------------------------------------------
+# phase 3: llama.cpp (llama-cpp-python's own loop) in-process
+# --------------------------------------------------------------------------
+
+
+def run_llamacpp(args, modes: list[Mode], prompts: list[dict], prompt_ids: dict, eos_ids: list[int],
+                 log) -> tuple[dict, list[dict]]:
+    """llama-target: llama-cpp-python's greedy `Llama.generate` on the target's GGUF; llama-lookup: the same with its
+    prompt-lookup decoding (draft_model=LlamaPromptLookupDecoding). One `Llama` per mode (prompt lookup needs logits
+    for every position: logits_all), freed after its mode. Each generation starts from an empty KV cache
+    (`Llama.generate` would otherwise reuse the previous prompt's prefix) and is timed prefill included, like the
+    other modes; it stops at max_new_tokens or at the verifier's end-of-sequence ids (as HF does)."""
+    llama_modes = [m for m in modes if m.kind == "llamacpp"]
+    if not llama_modes:
+        return {}, []
+    import llama_cpp
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    from specmesh.runtime.llamacpp_engine import gguf_file
+
+    path = gguf_file(args.target_model, progress=False)
+    threads = args.threads or len(os.sched_getaffinity(0))
+    # Room for the longest prompt, its new tokens and one round of drafts past them.
+    n_ctx = max(len(ids) for ids in prompt_ids.values()) + args.max_new_tokens + args.hf_prompt_lookup_tokens + 16
+    eos = set(eos_ids)
+    rows: list[dict] = []
+    system_info = None
+    warm = prompt_ids[prompts[0]["id"]]
+    for mode in llama_modes:
+        draft = (LlamaPromptLookupDecoding(num_pred_tokens=args.hf_prompt_lookup_tokens, max_ngram_size=args.ngram_max)
+                 if mode.drafter == "ngram" else None)
+        # flash_attn: Llama's default is off; llama.cpp's own default on CPU (auto) and the specmesh llama.cpp
+        # engine run it on, and the two attention kernels round differently (greedy outputs part on near-ties).
+        llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_threads=threads,
+                              n_threads_batch=threads, flash_attn=args.llama_flash_attn == "on", draft_model=draft,
+                              verbose=False)
+        try:
+            system_info = system_info or llama_cpp.llama_print_system_info().decode(errors="replace")
+            evals: list[int] = []  # tokens per Llama.eval call: one target pass each (prompt, then 1 + drafts)
+            plain_eval = llm.eval
+
+            def counting_eval(tokens, _eval=plain_eval, _evals=evals):
+                _evals.append(len(tokens))
+                return _eval(tokens)
+
+            llm.eval = counting_eval
+
+            def generate(ids: list[int], max_new: int, llm=llm, evals=evals) -> tuple[list[int], float, list[int]]:
+                evals.clear()
+                llm.reset()  # no KV prefix reuse from the previous generation: every run pays its prefill
+                new: list[int] = []
+                started = time.perf_counter()
+                tokens = llm.generate(list(ids), top_k=1, top_p=1.0, min_p=0.0, typical_p=1.0, temp=0.0,
+                                      repeat_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0)
+                try:
+                    for token in tokens:
+                        new.append(int(token))
+                        if new[-1] in eos or len(new) >= max_new:
+                            break
+                finally:
+                    tokens.close()
+                return new, time.perf_counter() - started, list(evals)
+
+            generate(warm, 8)
+            for prompt in prompts:
+                ids = prompt_ids[prompt["id"]]
+
+                def once(mode=mode, ids=ids, prompt=prompt) -> dict:
+                    new, elapsed, passes = generate(ids, args.max_new_tokens)
+                    # Pass 1 is the prompt; each later pass carries the last token plus the drafts, and commits
+                    # the accepted drafts plus one token of its own. Drafts of the last pass past max_new_tokens
+                    # count as drafted: the acceptance rate is a lower bound there.
+                    drafted = sum(n - 1 for n in passes[1:]) if mode.drafter else None
+                    accepted = len(new) - len(passes) if mode.drafter else None
+                    return {
+                        "prompt_id": prompt["id"], "class": prompt["class"], "mode": mode.name, "kind": mode.kind,
+                        "new_tokens": len(new), "elapsed_s": round(elapsed, 4),
+                        "tokens_per_s": round(len(new) / elapsed, 3), "rounds": len(passes),
+                        "drafted_tokens": drafted, "accepted_tokens": accepted,
+                        "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
+                        "mean_accepted_length": round(len(new) / len(passes), 4) if passes else None,
+                        "finish_reason": "eos" if new and new[-1] in eos else "length",
+                        "token_ids": new,
+                        "text": llm.detokenize(new).decode("utf-8", errors="replace"),
+                    }
+
+                row = best_of(args.repeats, once)
+                rows.append(row)
+                log(row)
+        finally:
+            llm.close()  # frees the model and context now (the Python object follows with its closures)
+    del llm
+    gc.collect()
+    info = {"llamacpp": {"version": getattr(llama_cpp, "__version__", None), "gguf": str(path), "n_ctx": n_ctx,
+                         "threads": threads, "flash_attn": args.llama_flash_attn == "on", "system_info": system_info,
+                         "prompt_lookup": {"num_pred_tokens": args.hf_prompt_lookup_tokens,
+                                           "max_ngram_size": args.ngram_max}
+                         if any(m.drafter == "ngram" for m in llama_modes) else None}}
+    return info, rows
+
+
+# --------------------------------------------------------------------------
 # analysis
 # --------------------------------------------------------------------------
 
 
 def add_relative(rows: list[dict]) -> None:
-    """Per-row speedups (tokens/s ratios on the same prompt) and divergence from specmesh target-only."""
+    """Per-row speedups (tokens/s ratios on the same prompt) and divergence from specmesh target-only (of this run:
+    on the llama.cpp engine, whose batched evaluation is not bit-identical to its one-token evaluation, that is the
+    exactness report of every speculative mode)."""
     by_prompt: dict[tuple[str, str], dict] = {(r["prompt_id"], r["mode"]): r for r in rows}
     for r in rows:
         base = by_prompt.get((r["prompt_id"], BASELINE))
         hf = by_prompt.get((r["prompt_id"], HF_BASELINE))
+        llama = by_prompt.get((r["prompt_id"], LLAMA_BASELINE))
         r["speedup"] = round(r["tokens_per_s"] / base["tokens_per_s"], 4) if base else None
         r["speedup_vs_hf_target"] = round(r["tokens_per_s"] / hf["tokens_per_s"], 4) if hf else None
+        r["speedup_vs_llama_target"] = round(r["tokens_per_s"] / llama["tokens_per_s"], 4) if llama else None
         r["diverges_at"] = first_divergence(base["token_ids"], r["token_ids"]) if base else None
 
 
@@ -371,12 +572,14 @@ def summarize(rows: list[dict], modes: list[Mode], classes: list[str]) -> list[d
             accepted = sum(r["accepted_tokens"] or 0 for r in sel)
             speedups = [r["speedup"] for r in sel if r["speedup"]]
             vs_hf = [r["speedup_vs_hf_target"] for r in sel if r["speedup_vs_hf_target"]]
+            vs_llama = [r["speedup_vs_llama_target"] for r in sel if r.get("speedup_vs_llama_target")]
             div = [r["diverges_at"] for r in sel if r["diverges_at"] is not None]
             s = {
                 "class": cls, "mode": mode.name, "kind": mode.kind, "prompts": len(sel), "new_tokens": tokens,
                 "tokens_per_s": round(tokens / seconds, 3) if seconds else None,
                 "speedup": round(statistics.geometric_mean(speedups), 4) if speedups else None,
                 "speedup_vs_hf_target": round(statistics.geometric_mean(vs_hf), 4) if vs_hf else None,
+                "speedup_vs_llama_target": round(statistics.geometric_mean(vs_llama), 4) if vs_llama else None,
                 "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
                 "mean_accepted_length": round(tokens / rounds, 4) if rounds else None,
                 "rounds": rounds,
@@ -428,20 +631,26 @@ def _x(value) -> str:
 
 def markdown(report: dict) -> str:
     info, summary, rows = report["info"], report["summary"], report["rows"]
+    config = report["config"]
     draft = info.get("draft") or "(no draft model)"
     lines = [f"**{draft} → {info['target']}**, {info['dtype']} on {info['device']}, "
-             f"greedy, ≤ {report['config']['max_new_tokens']} new tokens, {len(report['prompts'])} prompts "
+             f"greedy, ≤ {config['max_new_tokens']} new tokens, {len(report['prompts'])} prompts "
              f"({', '.join(f'{n} {c}' for c, n in report['prompt_counts'].items())}), best of "
-             f"{report['config']['repeats']}; n-gram drafter n = {report['config']['ngram_min']}.."
-             f"{report['config']['ngram_max']}.", ""]
-    lines += ["| class | mode | tokens/s | speedup vs target-only | vs HF target-only | acceptance rate | "
-              "mean accepted length | rounds | first divergence |",
-              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+             f"{config['repeats']}; n-gram drafter n = {config['ngram_min']}.."
+             f"{config['ngram_max']}.", ""]
+    lines += header_notes(report)
+    has_llama = any(s["mode"] == LLAMA_BASELINE for s in summary)
+    lines += ["| class | mode | tokens/s | speedup vs target-only | vs HF target-only | "
+              + ("vs llama.cpp target-only | " if has_llama else "")
+              + "acceptance rate | mean accepted length | rounds | first divergence |",
+              "| --- | --- | ---: | ---: | ---: |" + (" ---: |" if has_llama else "") + " ---: | ---: | ---: | --- |"]
     for s in summary:
         div = f"{s['diverged_prompts']}/{s['prompts']} prompts, earliest token {s['earliest_divergence']}" \
             if s["diverged_prompts"] else "none"
         lines.append(f"| {s['class']} | {s['mode']} | {_f(s['tokens_per_s'], '.2f')} | {_x(s['speedup'])} | "
-                     f"{_x(s['speedup_vs_hf_target'])} | {_f(s['acceptance_rate'], '.1%')} | "
+                     f"{_x(s['speedup_vs_hf_target'])} | "
+                     + (f"{_x(s.get('speedup_vs_llama_target'))} | " if has_llama else "")
+                     + f"{_f(s['acceptance_rate'], '.1%')} | "
                      f"{_f(s['mean_accepted_length'], '.2f')} | {s['rounds']} | {div} |")
     lines += ["", "Per-round breakdown (ms per round, all rounds; draft/verify = coordinator-side wall time of the "
               "RPC) and the analytic speedup E / (k·c + v(k)) next to the measured one (steady-state rounds):", "",
@@ -467,6 +676,45 @@ def markdown(report: dict) -> str:
         cells = [_x(by[(p["id"], m)]["speedup"]) if (p["id"], m) in by else "–" for m in modes]
         lines.append(f"| {p['id']} | {p['class']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def header_notes(report: dict) -> list[str]:
+    """Engines, CPU flags, the llama.cpp baselines' settings and skipped modes: the lines under the title."""
+    info, config = report["info"], report["config"]
+    lines = []
+    asked, resolved = config.get("engines"), config.get("resolved_engines")
+    if asked or info.get("verifier_engine"):
+        ran = f"verifier {info.get('verifier_engine') or (resolved or {}).get('target') or '?'}"
+        if info.get("draft"):
+            ran += f", drafter {info.get('drafter_engine') or (resolved or {}).get('draft') or '?'}"
+            if info.get("draft_dtype") and info.get("draft_dtype") != info.get("dtype"):
+                ran += f" ({info['draft_dtype']})"
+        lines.append(f"- engines: {ran}" + (f" (asked: --target-engine {asked['target']}, --draft-engine "
+                                            f"{asked['draft']})" if asked else "") + ".")
+        if "llamacpp" in (info.get("verifier_engine"), info.get("drafter_engine")):
+            lines.append("- llama.cpp's batched evaluation is not bit-identical to its one-token evaluation: the first "
+                         "divergence column (against this run's target-only) is the exactness report.")
+    cpu = info.get("cpu")
+    if cpu:
+        text = f"- CPU: {cpu.get('cpu_count')} cores, flags {' '.join(cpu.get('cpu_flags') or []) or '(none)'}"
+        if cpu.get("torch_cpu_capability"):
+            text += f"; torch kernels {cpu['torch_cpu_capability']}"
+        if cpu.get("llamacpp_cpu_features") is not None:
+            text += f"; llama.cpp build {' '.join(cpu['llamacpp_cpu_features']) or '(none of these)'}"
+        lines.append(text + (f"; threads {config['threads']}" if config.get("threads") else "") + ".")
+    if info.get("hf_dtype"):
+        lines.append(f"- HF transformers baselines: {info['hf_dtype']}.")
+    llama = info.get("llamacpp")
+    if llama:
+        lookup = llama.get("prompt_lookup")
+        lines.append(f"- llama.cpp baselines: llama-cpp-python {llama.get('version')}, {llama.get('threads')} "
+                     f"threads, flash attention {'on' if llama.get('flash_attn') else 'off'}, "
+                     f"{Path(llama.get('gguf') or '').name}"
+                     + (f"; llama-lookup: num_pred_tokens {lookup['num_pred_tokens']}, max_ngram_size "
+                        f"{lookup['max_ngram_size']}" if lookup else "") + ".")
+    for mode, reason in (report.get("skipped_modes") or {}).items():
+        lines.append(f"- skipped {mode}: {reason}.")
+    return lines + [""] if lines else []
 
 
 def plot(report: dict, path: Path) -> bool:
@@ -519,13 +767,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-model", default=DEFAULT_DRAFT_MODEL)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads, workers and HF alike")
+    parser.add_argument("--engine", choices=ENGINES, default="auto",
+                        help="worker engine, both sides (auto: llama.cpp for GGUF/catalog models on CPU with --dtype "
+                        "auto, else transformers)")
+    parser.add_argument("--target-engine", choices=ENGINES, default=None, help="verifier engine (default: --engine)")
+    parser.add_argument("--draft-engine", choices=ENGINES, default=None,
+                        help="model drafter engine (default: --engine)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU threads: workers, HF and llama.cpp baselines alike (default: all cores)")
     parser.add_argument("--linear-backend", choices=onednn.BACKENDS, default="auto",
                         help="CPU linear kernels, workers and HF alike (specmesh/onednn.py; default: auto)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--modes", default=DEFAULT_MODES,
                         help="comma list of target-only (or 0), adaptive, adaptive-cost, pipelined, K (fixed draft length), ngram, ngram-cost, ngram:K, "
-                        f"hf-target, hf-assisted, hf-ngram; target-only is always run (default: {DEFAULT_MODES})")
+                        f"hf-target, hf-assisted, hf-ngram, llama-target, llama-lookup (these two: GGUF targets only, skipped "
+                        f"otherwise); target-only is always run (default: {DEFAULT_MODES})")
     parser.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS, help="prompt set (JSON)")
     parser.add_argument("--classes", default="code,prose,quote", help="prompt classes to run (default: all)")
     parser.add_argument("--limit-prompts", default=None,
@@ -534,9 +790,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     parser.add_argument("--repeats", type=int, default=1, help="runs per prompt and mode; the fastest counts")
     parser.add_argument("--ngram-min", type=int, default=1, help="n-gram drafter: shortest n-gram matched")
-    parser.add_argument("--ngram-max", type=int, default=3, help="n-gram drafter (and hf-ngram): longest n-gram")
+    parser.add_argument("--ngram-max", type=int, default=3,
+                        help="n-gram drafter (and hf-ngram, llama-lookup): longest n-gram")
     parser.add_argument("--hf-prompt-lookup-tokens", type=int, default=10,
-                        help="hf-ngram: prompt_lookup_num_tokens (default: 10, HF's documented example)")
+                        help="hf-ngram: prompt_lookup_num_tokens, llama-lookup: num_pred_tokens (default: 10, HF's "
+                        "documented example and llama-cpp-python's default)")
+    parser.add_argument("--llama-flash-attn", choices=("on", "off"), default="on",
+                        help="llama-target/llama-lookup: flash attention (default: on, as llama.cpp's auto and the "
+                        "specmesh llama.cpp engine run on CPU; llama-cpp-python's Llama defaults to off)")
     parser.add_argument("--from-json", type=Path, default=None,
                         help="run nothing: re-render the reports (markdown, plot) of an earlier run's JSON")
     parser.add_argument("--out-dir", type=Path, default=None, help="write bench.json, bench.md and bench.png here")
@@ -548,6 +809,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def rerender(args: argparse.Namespace) -> int:
     report = json.loads(args.from_json.read_text())
     modes = parse_modes(",".join(report["config"]["modes"]))
+    add_relative(report["rows"])
     report["summary"] = summarize(report["rows"], modes, report["config"]["classes"])
     write_reports(args, report)
     return 0
@@ -579,9 +841,13 @@ def run(args: argparse.Namespace) -> int:
                                [i.strip() for i in args.prompt_ids.split(",")] if args.prompt_ids else None)
         if args.max_new_tokens < 1 or args.repeats < 1:
             raise ValueError("--max-new-tokens and --repeats must be >= 1")
+        engines, resolved = requested_engines(args), resolved_engines(args)
     except (ValueError, OSError) as e:
         print(f"bench: error: {e}", file=sys.stderr)
         return 2
+    modes, skipped = drop_unrunnable(modes, args.target_model)
+    if skipped:
+        print(f"bench: note: skipping {', '.join(skipped)}: {next(iter(skipped.values()))}", file=sys.stderr)
 
     def log(row: dict) -> None:
         acc = row.get("acceptance_rate")
@@ -594,13 +860,23 @@ def run(args: argparse.Namespace) -> int:
     # HF stops at the same end-of-sequence ids as the coordinator: the verifier's.
     hf_info, hf_rows = run_hf(args, modes, prompts, prompt_ids, info["eos_token_ids"], log)
     rows += hf_rows
+    gc.collect()  # the HF models: gone before llama.cpp loads
+    llama_info, llama_rows = run_llamacpp(args, modes, prompts, prompt_ids, info["eos_token_ids"], log)
+    rows += llama_rows
     add_relative(rows)
     summary = summarize(rows, modes, classes)
+    uses_llamacpp = bool(llama_rows) or "llamacpp" in (info.get("verifier_engine"), info.get("drafter_engine"))
+    system_info = ((llama_info.get("llamacpp") or {}).get("system_info") or llamacpp_system_info()
+                   if uses_llamacpp else None)
     report = {
-        "info": {**info, **hf_info},
+        "info": {**info, **hf_info, **llama_info, "cpu": cpu_features(system_info)},
         "config": {"max_new_tokens": args.max_new_tokens, "modes": [m.name for m in modes], "classes": classes,
                    "repeats": args.repeats, "ngram_min": args.ngram_min, "ngram_max": args.ngram_max,
-                   "threads": args.threads, "linear_backend": args.linear_backend, "chat": not args.no_chat, "wall_s": round(time.time() - started, 1)},
+                   "threads": args.threads, "linear_backend": args.linear_backend,
+                   "engines": engines, "resolved_engines": resolved,
+                   "hf_prompt_lookup_tokens": args.hf_prompt_lookup_tokens,
+                   "chat": not args.no_chat, "wall_s": round(time.time() - started, 1)},
+        "skipped_modes": skipped,
         "prompts": [{**p, "prompt_tokens": len(prompt_ids[p["id"]])} for p in prompts],
         "prompt_counts": {c: sum(p["class"] == c for p in prompts) for c in classes},
         "summary": summary,

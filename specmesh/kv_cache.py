@@ -18,6 +18,12 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+def reusable_length(cached_tokens: Sequence[int], sequence: Sequence[int], last_n: int) -> int:
+    """Cached tokens a request for the logits of the last `last_n` positions of `sequence` can keep: the shared
+    prefix, but never any of those last `last_n` tokens (their logits must be computed). Every engine's rule."""
+    return min(common_prefix_length(cached_tokens, sequence), len(sequence) - last_n)
+
+
 class CachedSequence:
     """Runs a causal LM over a growing token sequence, keeping the KV cache of the tokens it has already seen.
 
@@ -40,7 +46,7 @@ class CachedSequence:
     def reusable_length(self, sequence: Sequence[int], last_n: int) -> int:
         """Cached tokens a request can keep: the shared prefix, but never any of the last `last_n` tokens, whose
         logits are what the caller wants."""
-        return min(common_prefix_length(self.cached_tokens, sequence), len(sequence) - last_n)
+        return reusable_length(self.cached_tokens, sequence, last_n)
 
     @torch.inference_mode()
     def logits_for(self, sequence: Sequence[int], last_n: int) -> torch.Tensor:

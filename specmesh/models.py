@@ -92,7 +92,7 @@ TINY_PRESETS: dict[str, TinyPreset] = {
 # Tokenizer vocab (256 bytes + a few specials) is padded up to this multiple,
 # like real checkpoints (Qwen2.5: 151,665 tokens, 151,936 logits), so code
 # that confuses len(tokenizer) with the logits width fails in unit tests.
-_TINY_VOCAB_MULTIPLE = 64
+TINY_VOCAB_MULTIPLE = 64
 
 
 def is_tiny_preset(spec: str) -> bool:
@@ -113,7 +113,7 @@ def _byte_to_unicode() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(bs, cs)}
 
 
-def _tiny_tokenizer(preset: TinyPreset):
+def tiny_tokenizer(preset: TinyPreset):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -134,7 +134,7 @@ def _tiny_model(preset: TinyPreset, tokenizer) -> PreTrainedModel:
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     n_tok = len(tokenizer)
-    vocab = -(-n_tok // _TINY_VOCAB_MULTIPLE) * _TINY_VOCAB_MULTIPLE
+    vocab = -(-n_tok // TINY_VOCAB_MULTIPLE) * TINY_VOCAB_MULTIPLE
     common = dict(
         vocab_size=vocab,
         hidden_size=64,
@@ -176,7 +176,7 @@ def _tiny_model(preset: TinyPreset, tokenizer) -> PreTrainedModel:
 
 def _load_tiny(spec: str):
     preset = TINY_PRESETS[spec]
-    tokenizer = _tiny_tokenizer(preset)
+    tokenizer = tiny_tokenizer(preset)
     return _tiny_model(preset, tokenizer), tokenizer
 
 
@@ -205,21 +205,21 @@ def converted_dir(label: str, key: str) -> Path:
     return catalog.cache_dir() / "converted" / f"{label}-{key}"
 
 
-def _is_converted(path: Path) -> bool:
+def is_converted(path: Path) -> bool:
     # The marker is written before the atomic rename, so its presence means
     # the directory is complete.
     return (path / _CONVERTED_MARKER).is_file()
 
 
-def _convert_gguf(gguf: Path, out: Path, progress: bool) -> None:
+def convert_gguf(gguf: Path, out: Path, progress: bool) -> None:
     """Dequantise `gguf` once and save it as float32 safetensors at `out`.
 
     float32 (not the requested dtype) so fp32 and fp64 runs stay exact and one
     cache serves every dtype.
     """
     out.parent.mkdir(parents=True, exist_ok=True)
-    with catalog._file_lock(out.parent / f".{out.name}.lock"):
-        if _is_converted(out):  # another process converted it while we waited
+    with catalog.file_lock(out.parent / f".{out.name}.lock"):
+        if is_converted(out):  # another process converted it while we waited
             return
         if progress:
             print(f"specmesh: converting {gguf.name} (one-off, cached in {out})",
@@ -251,7 +251,7 @@ def _convert_gguf(gguf: Path, out: Path, progress: bool) -> None:
             raise
 
 
-def _gguf_source(spec: str) -> tuple[Path, str, str] | None:
+def gguf_source(spec: str) -> tuple[Path, str, str] | None:
     """(gguf path, cache label, cache key) for catalog names and .gguf paths."""
     if spec in catalog.CATALOG:
         entry = catalog.CATALOG[spec]
@@ -319,12 +319,12 @@ def load_model(
         else:
             if spec in catalog.CATALOG:
                 catalog.fetch(spec, progress=progress)
-            source = _gguf_source(spec)
+            source = gguf_source(spec)
             if source is not None:
                 gguf, label, key = source
                 src = converted_dir(label, key)
-                if not _is_converted(src):
-                    _convert_gguf(gguf, src, progress)
+                if not is_converted(src):
+                    convert_gguf(gguf, src, progress)
             else:
                 src = spec  # local HF dir or hub id
             tokenizer = AutoTokenizer.from_pretrained(src)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -22,7 +23,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from specmesh import logs, metrics, onednn
 from specmesh.devices import dtype_name
 from specmesh.history import ResyncRequired
-from specmesh.models import LoadedModel, load_model
+from specmesh.models import LoadedModel
+from specmesh.runtime.engine import ENGINES, as_engine, load_engine
 from specmesh.security import ConcurrencyLimitInterceptor, TlsFiles, TokenAuthInterceptor, caller_identity
 from specmesh.sessions import SessionLimits
 from specmesh.v1 import specmesh_pb2 as pb
@@ -55,6 +57,7 @@ class WorkerConfig:
     device: str = "auto"
     dtype: str = "auto"
     linear_backend: str = "auto"  # CPU: "onednn" pre-packs linear layers (specmesh/onednn.py), "torch" does not
+    engine: str = "auto"  # "transformers", "llamacpp", or auto: llama.cpp for GGUF models on CPU (specmesh/runtime)
     threads: int | None = None
     limits: SessionLimits = field(default_factory=SessionLimits)
     max_draft_tokens: int = 32
@@ -81,6 +84,8 @@ class WorkerConfig:
         if self.linear_backend not in onednn.BACKENDS:
             raise ValueError(f"linear_backend must be one of {', '.join(onednn.BACKENDS)}, "
                              f"got {self.linear_backend!r}")
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         if not 0 <= self.max_batch_wait_s <= 10:
@@ -93,6 +98,16 @@ class WorkerConfig:
             raise ValueError(f"inject_latency_s must be >= 0, got {self.inject_latency_s}")
         if self.max_context_length is not None and self.max_context_length < 2:
             raise ValueError(f"max_context_length must be >= 2, got {self.max_context_length}")
+
+
+def resident_bytes() -> int:
+    """This process's resident set size (Linux; 0 elsewhere). Prometheus exports the same as
+    process_resident_memory_bytes."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 class NotReady(Exception):
@@ -178,7 +193,12 @@ class WorkerServicerBase:
             model_name=loaded.name, vocab_size=loaded.vocab_size, tokenizer_fingerprint=loaded.fingerprint,
             eos_token_ids=list(loaded.eos_token_ids), device=str(loaded.device), dtype=dtype_name(loaded.dtype),
             max_draft_tokens=self.worker.config.max_draft_tokens, max_context_length=self.worker.max_context_length,
-            role=self.worker.config.role, active_sessions=len(self.engine.sessions))
+            role=self.worker.config.role, active_sessions=len(self.engine.sessions),
+            engine=getattr(loaded, "engine", ""), resident_bytes=resident_bytes(),
+            weights_bytes=getattr(loaded, "weights_bytes", 0),
+            draft_per_token_s=getattr(self.engine, "draft_per_token_s", 0.0),
+            verify_base_s=getattr(self.engine, "verify_base_s", 0.0),
+            verify_per_draft_s=getattr(self.engine, "verify_per_draft_s", 0.0))
 
     @rpc
     def EndSession(self, request, context) -> pb.EndSessionResponse:
@@ -234,14 +254,18 @@ class WorkerServer:
         self._server.start()
 
     def obtain_model(self):
-        """What the engine runs on (a LoadedModel here; subclasses may build something lighter)."""
-        return self._preloaded or load_model(self.config.model, device=self.config.device, dtype=self.config.dtype,
-                                             linear_backend=self.config.linear_backend,
-                                             threads=self.config.threads)
+        """What the role's engine runs on: a model engine (specmesh/runtime); subclasses may build something
+        lighter."""
+        if self._preloaded is not None:
+            return as_engine(self._preloaded)
+        config = self.config
+        return load_engine(config.model, engine=config.engine, device=config.device, dtype=config.dtype,
+                           linear_backend=config.linear_backend, threads=config.threads,
+                           max_sessions=config.limits.max_sessions, context_length=config.max_context_length)
 
     @staticmethod
     def context_limit(loaded) -> int | None:
-        return getattr(loaded.model.config, "max_position_embeddings", None)
+        return loaded.context_limit
 
     def load(self) -> None:
         """Load the model, run a warm-up pass, then report SERVING."""
@@ -258,8 +282,9 @@ class WorkerServer:
             metrics.gauge("specmesh_kv_cache_bytes", "bytes of keys/values cached across sessions", ["role"],
                           [([role], engine.sessions.cache_bytes)])])
         self._set_health(health_pb2.HealthCheckResponse.SERVING)
-        log.info("%s ready: model=%s device=%s dtype=%s linear=%s port=%d", self.config.role, loaded.name,
-                 loaded.device, dtype_name(loaded.dtype), getattr(loaded, "linear_backend", "-"), self.port)
+        log.info("%s ready: model=%s engine=%s device=%s dtype=%s linear=%s port=%d", self.config.role, loaded.name,
+                 getattr(loaded, "engine", "-"), loaded.device, dtype_name(loaded.dtype),
+                 getattr(loaded, "linear_backend", "-"), self.port)
 
     def stop(self, grace: float | None = 2.0) -> None:
         """Report NOT_SERVING, refuse new calls, let in-flight calls finish within `grace` seconds."""

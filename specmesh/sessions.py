@@ -8,10 +8,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import cachetools
-import torch
 
 from specmesh.history import ResyncRequired, TokenHistory
-from specmesh.kv_cache import CachedSequence
+from specmesh.runtime.engine import CachedTokens, ModelEngine
 
 
 @dataclass(frozen=True)
@@ -32,16 +31,16 @@ class SessionLimits:
 @dataclass
 class Session:
     history: TokenHistory
-    sequence: CachedSequence
+    sequence: CachedTokens
 
     @property
     def num_bytes(self) -> int:
         return self.sequence.num_bytes
 
 
-def kv_sessions(model: torch.nn.Module) -> Callable[[], Session]:
-    """Session factory for a model-backed engine: each session gets its own KV cache of `model`."""
-    return lambda: Session(TokenHistory(), CachedSequence(model))
+def kv_sessions(engine: ModelEngine) -> Callable[[], Session]:
+    """Session factory for a model-backed worker: each session gets its own cached sequence of `engine`."""
+    return lambda: Session(TokenHistory(), engine.new_sequence())
 
 
 class SessionStore:

@@ -18,6 +18,7 @@ from specmesh import onednn
 from specmesh.config import add_config_argument
 from specmesh.logs import configure_logging
 from specmesh.metrics import serve_metrics
+from specmesh.runtime.engine import ENGINES
 from specmesh.security import TlsFiles, exposure_warning, load_token
 from specmesh.serving import WorkerConfig, WorkerServer
 from specmesh.sessions import SessionLimits
@@ -31,17 +32,23 @@ def add_serve_arguments(parser: argparse.ArgumentParser, default_model: str) -> 
     parser.add_argument("--device", default="auto", help="auto|cpu|cuda|cuda:N (default: auto)")
     parser.add_argument("--dtype", default="auto", help="auto|float32|bfloat16|float16|float64 (default: auto = bf16 "
                         "on CUDA and on CPUs with avx512_bf16/AMX, else float32)")
+    parser.add_argument("--engine", choices=ENGINES, default="auto",
+                        help="model runtime: llamacpp runs a GGUF file quantized with llama.cpp, transformers runs "
+                        "any HF model in torch (exact in float32, GPUs); auto = llamacpp for GGUF files and catalog "
+                        "models on CPU unless --dtype is given, else transformers (default: auto)")
     parser.add_argument("--linear-backend", choices=onednn.BACKENDS, default="auto",
                         help="CPU linear layers: onednn pre-packs the weights for oneDNN, which makes a pass over a "
                         "few tokens (verifying k drafts, batched sessions) far cheaper than torch's default kernels; "
                         "auto = onednn on CPU where it supports the dtype (default: auto)")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU threads of the model (default: torch's choice; llama.cpp: the usable cores)")
     parser.add_argument("--max-sessions", type=int, default=64, help="KV-cache sessions kept, LRU-evicted (default: 64)")
     parser.add_argument("--session-ttl", type=float, default=600.0,
                         help="seconds an idle session's KV cache is kept (default: 600)")
     parser.add_argument("--max-draft-tokens", type=int, default=32, help="largest k accepted (default: 32)")
     parser.add_argument("--max-context-length", type=int, default=None,
-                        help="longest token history accepted (default: the model's maximum)")
+                        help="longest token history accepted (default: the model's maximum; llama.cpp: at most "
+                        "16384, and its KV cache holds this many tokens shared by all sessions)")
     parser.add_argument("--grace", type=float, default=10.0,
                         help="seconds in-flight calls may finish after SIGTERM (default: 10)")
     parser.add_argument("--inject-latency", type=float, default=0.0,
@@ -120,6 +127,7 @@ def serve_main(role: str, build_server: Callable[..., WorkerServer], default_mod
         token = load_token(args.token_file)
         config = WorkerConfig(model=args.model, role=role, host=args.host, port=args.port, device=args.device,
                               dtype=args.dtype, threads=args.threads, linear_backend=args.linear_backend,
+                              engine=args.engine,
                               limits=SessionLimits(max_sessions=args.max_sessions, idle_ttl_s=args.session_ttl,
                                                    max_cache_bytes=args.max_cache_bytes),
                               max_draft_tokens=args.max_draft_tokens, max_context_length=args.max_context_length,

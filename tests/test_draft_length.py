@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.draft_length import PROBE_EVERY, CostEstimate, DraftLength, estimate_costs
+from coordinator.draft_length import (PRIOR_ACCEPTANCE, PROBE_EVERY, PROBE_RARELY, CostEstimate, DraftLength,
+                                      estimate_costs)
 from coordinator.loop import RoundRecord
 
 
@@ -55,11 +56,37 @@ def test_cost_policy_drafts_more_when_it_pays_and_falls_back_to_zero_when_not():
 
 
 def test_cost_policy_probes_now_and_then_while_at_zero():
+    """Poor acceptance with drafts that would pay if accepted: probe every PROBE_EVERY rounds."""
     policy = DraftLength(policy="cost", minimum=1)
-    bad = rounds_from([(4, 0), (2, 1), (3, 0), (1, 0)] * 2, 0.2, 0.5, 0.3)
+    bad = rounds_from([(4, 0), (2, 1), (3, 0), (1, 0)] * 2, 0.05, 0.5, 0.1)
     zeros = [RoundRecord(0, 0, 0.0, 0.5)] * (PROBE_EVERY - 2)
     assert policy.next(0, bad + zeros) == 0
     assert policy.next(0, bad + zeros + [RoundRecord(0, 0, 0.0, 0.5)]) == 1, "a probe round after a run of k = 0"
+
+
+def test_cost_policy_probes_rarely_where_drafting_cannot_pay_at_all():
+    """A draft token plus its verify share cost more than a target pass: even full acceptance loses, so acceptance is
+    not worth measuring; only a rare probe notices changed costs."""
+    policy = DraftLength(policy="cost", minimum=1)
+    costly = rounds_from([(4, 4), (2, 2), (3, 3), (1, 1)] * 2, 0.4, 0.5, 0.4)
+    assert not estimate_costs(costly).could_pay(16)
+    zeros = [RoundRecord(0, 0, 0.0, 0.5)] * (PROBE_RARELY - 2)
+    assert policy.next(0, costly + zeros[:PROBE_EVERY]) == 0
+    assert policy.next(0, costly + zeros) == 0
+    assert policy.next(0, costly + zeros + [RoundRecord(0, 0, 0.0, 0.5)]) == 1
+
+
+def test_cost_policy_starts_from_the_workers_cost_prior():
+    """Before any round, the workers' warm-up costs decide: k = 0 from the first round where drafting cannot pay,
+    a long draft where drafts are cheap; measured acceptance then replaces the prior's."""
+    slow_drafter = CostEstimate(PRIOR_ACCEPTANCE, 0.6, 1.0, 0.7)  # like a 0.5B draft for a 1.5B target on 2 cores
+    assert DraftLength(policy="cost", prior=slow_drafter).first() == 0
+    assert DraftLength(policy="cost", prior=slow_drafter).next(0, [RoundRecord(0, 0, 0.0, 1.0)]) == 0
+    cheap = CostEstimate(PRIOR_ACCEPTANCE, 0.02, 1.0, 0.02)
+    assert DraftLength(policy="cost", prior=cheap).first() >= 4
+    rejected = [RoundRecord(0, 0, 0.0, 1.0), RoundRecord(6, 0, 0.12, 1.1)]
+    assert DraftLength(policy="cost", prior=cheap).next(6, rejected) == 0, "nothing accepted: drafting does not pay"
+    assert DraftLength(policy="heuristic", prior=cheap).first() == 4  # the heuristic ignores costs
 
 
 def test_cost_policy_uses_the_heuristic_until_it_has_data():

@@ -33,7 +33,9 @@ def coordinator(tiny_target, tiny_unrelated_draft):
 @pytest.fixture(scope="module")
 def base_url(coordinator):
     listener = socket.create_server(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(coordinator, default_max_tokens=16), log_level="warning"))
+    # The heuristic always drafts; the (default) cost policy may decide that the tiny draft does not pay here.
+    app = create_app(coordinator, default_max_tokens=16, draft_policy="heuristic")
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
     thread.start()
     while not server.started:

@@ -8,6 +8,7 @@ from coordinator.loop import Draft, DraftLength, LoopConfig, RoundRecord, specul
 from drafter.engine import DraftEngine
 from specmesh.history import TokenHistory
 from specmesh.sampling import SamplingParams
+from specmesh.runtime.engine import as_engine
 from specmesh.sessions import SessionLimits, SessionStore, kv_sessions
 from tests.helpers import reference_greedy
 from verifier.engine import VerifyEngine
@@ -129,7 +130,7 @@ def test_adaptive_draft_length_follows_the_heuristic():
 
 
 def test_session_store_evicts_least_recently_used_and_idle(tiny_target):
-    store = SessionStore(SessionLimits(max_sessions=2, idle_ttl_s=3600), kv_sessions(tiny_target.model))
+    store = SessionStore(SessionLimits(max_sessions=2, idle_ttl_s=3600), kv_sessions(as_engine(tiny_target)))
     from specmesh.history import EMPTY_HASH
     for sid in ("a", "b"):
         store.synced(sid, 0, EMPTY_HASH, [1, 2])
@@ -137,7 +138,7 @@ def test_session_store_evicts_least_recently_used_and_idle(tiny_target):
     store.synced("c", 0, EMPTY_HASH, [1])
     assert set(store._sessions) == {"a", "c"}
     clock = [0.0]
-    expiring = SessionStore(SessionLimits(max_sessions=8, idle_ttl_s=10), kv_sessions(tiny_target.model))
+    expiring = SessionStore(SessionLimits(max_sessions=8, idle_ttl_s=10), kv_sessions(as_engine(tiny_target)))
     expiring._sessions = type(expiring._sessions)(maxsize=8, ttl=10, timer=lambda: clock[0])
     expiring.synced("x", 0, EMPTY_HASH, [1])
     clock[0] = 11.0

@@ -101,13 +101,13 @@ def test_tiny_fingerprints():
 
 def test_fingerprint_sees_special_tokens():
     preset = TINY_PRESETS["tiny-random-qwen2"]
-    base = tokenizer_fingerprint(models._tiny_tokenizer(preset))
+    base = tokenizer_fingerprint(models.tiny_tokenizer(preset))
     # Same vocabulary, a different special token set.
-    extra = models._tiny_tokenizer(replace(preset, special_tokens=preset.special_tokens + ("<|fim|>",)))
+    extra = models.tiny_tokenizer(replace(preset, special_tokens=preset.special_tokens + ("<|fim|>",)))
     assert tokenizer_fingerprint(extra) != base
     # Same tokens, different eos: the special-tokens map differs.
-    other_eos = models._tiny_tokenizer(replace(preset, eos_token="<|im_end|>"))
-    assert other_eos.get_vocab() == models._tiny_tokenizer(preset).get_vocab()
+    other_eos = models.tiny_tokenizer(replace(preset, eos_token="<|im_end|>"))
+    assert other_eos.get_vocab() == models.tiny_tokenizer(preset).get_vocab()
     assert tokenizer_fingerprint(other_eos) != base
 
 
@@ -121,13 +121,13 @@ def test_unknown_specs():
 def test_local_gguf_cache_key(tmp_path):
     f = tmp_path / "Some-Model.Q4.gguf"
     f.write_bytes(b"GGUF" + bytes(60))
-    path, label, key = models._gguf_source(str(f))
+    path, label, key = models.gguf_source(str(f))
     assert path == f.resolve() and label == "Some-Model.Q4" and len(key) == 16
-    assert models._gguf_source(str(f))[2] == key  # stable
+    assert models.gguf_source(str(f))[2] == key  # stable
     os.utime(f, ns=(1, 1))
-    assert models._gguf_source(str(f))[2] != key  # a rewritten file gets a new conversion
-    assert models._gguf_source("some-org/some-model") is None
-    assert models._gguf_source(SMOL)[1:] == (SMOL, catalog.CATALOG[SMOL].sha256[:16])
+    assert models.gguf_source(str(f))[2] != key  # a rewritten file gets a new conversion
+    assert models.gguf_source("some-org/some-model") is None
+    assert models.gguf_source(SMOL)[1:] == (SMOL, catalog.CATALOG[SMOL].sha256[:16])
 
 
 # --------------------------------------------------------------------------- devices
@@ -305,7 +305,7 @@ def test_load_catalog_gguf_and_generate(smol_cache, monkeypatch, capfd):
     assert (conv / "model.safetensors").is_file()
 
     # Second load: straight from the converted cache, no GGUF parsing.
-    monkeypatch.setattr(models, "_convert_gguf", lambda *a, **k: pytest.fail("should use converted cache"))
+    monkeypatch.setattr(models, "convert_gguf", lambda *a, **k: pytest.fail("should use converted cache"))
     start = time.perf_counter()
     again = load_model(SMOL, device="cpu", dtype="float32", progress=False)
     assert time.perf_counter() - start < 15

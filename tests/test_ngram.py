@@ -149,7 +149,7 @@ def _no_weights(*args, **kwargs):
 def ngram_drafter():
     # Built from the model *name*: only the tokenizer is read; loading weights here would be a bug.
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(specmesh.serving, "load_model", _no_weights)
+        mp.setattr(specmesh.serving, "load_engine", _no_weights)
         with run_drafter("tiny-random-qwen2", port=0, method="ngram") as server:
             yield server
 

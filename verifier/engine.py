@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 
 from specmesh import metrics
 from specmesh.acceptance import Verdict, decide
-from specmesh.batched_forward import MAX_BATCHED_FRESH_TOKENS, batched_logits, can_batch, fresh_length
-from specmesh.history import EMPTY_HASH
-from specmesh.models import LoadedModel
+from specmesh.batched_forward import MAX_BATCHED_FRESH_TOKENS, fresh_length
+from specmesh.history import EMPTY_HASH, TokenHistory
+from specmesh.runtime.engine import ModelEngine, as_engine
 from specmesh.sampling import SamplingParams, SparseDist
 from specmesh.serving import Cancelled
 from specmesh.sessions import Session, SessionLimits, SessionStore, kv_sessions
@@ -51,22 +51,23 @@ class _Request:
 
 
 class VerifyEngine:
-    def __init__(self, loaded: LoadedModel, limits: SessionLimits = SessionLimits(), max_batch_size: int = 8,
+    def __init__(self, loaded: ModelEngine, limits: SessionLimits = SessionLimits(), max_batch_size: int = 8,
                  max_batch_wait_s: float = 0.02) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if not 0 <= max_batch_wait_s <= 10:
             raise ValueError(f"max_batch_wait_s must be in 0..10, got {max_batch_wait_s}")
         self.max_batch_wait_s = max_batch_wait_s
-        self.loaded = loaded
-        self.sessions = SessionStore(limits, kv_sessions(loaded.model))
-        self.max_batch_size = max_batch_size if can_batch(loaded.model) else 1
+        self.loaded = loaded = as_engine(loaded)  # the model engine: transformers or llama.cpp
+        self.sessions = SessionStore(limits, kv_sessions(loaded))
+        self.max_batch_size = min(max_batch_size, loaded.max_batch_size)
         self._model_lock = threading.Lock()  # one forward pass at a time
         self._queue_lock = threading.Lock()
         self._arrived = threading.Condition(self._queue_lock)  # notified when a request is queued
         self._queue: deque[_Request] = deque()
         self._answered_at: dict[str, float] = {}  # session -> when it last got an answer (monotonic)
         self._last_pass_s = 0.0
+        self.verify_base_s = self.verify_per_draft_s = 0.0  # measured by warm_up
 
     def verify(self, session_id: str, base_length: int, base_hash: int, new_tokens: list[int],
                drafts: list[int], dists: list[SparseDist], params: SamplingParams, seed: int,
@@ -158,8 +159,9 @@ class VerifyEngine:
         started = time.monotonic()
         try:
             # Row i of each logits tensor is the target's distribution for position start + i: k drafts + bonus.
-            all_logits = batched_logits(self.loaded.model, [r.session.sequence for r in group],
-                                        [self._tokens(r) for r in group], [len(r.drafts) + 1 for r in group])
+            all_logits = self.loaded.batched_logits([r.session.sequence for r in group],
+                                                    [self._tokens(r) for r in group],
+                                                    [len(r.drafts) + 1 for r in group])
         except Exception as e:
             for request in group:
                 # The caches may hold a partial update: drop them, the clients' next calls resync.
@@ -191,7 +193,8 @@ class VerifyEngine:
         return self.sessions.end(session_id)
 
     def warm_up(self) -> None:
-        """Run one single and, when batching is on, one batched verification so the first real calls are not slow."""
+        """Run one single and, when batching is on, one batched verification so the first real calls are not slow;
+        then measure what a verify costs (the coordinator's prior for its draft length policy)."""
         self.verify("warm-up", 0, EMPTY_HASH, [0, 1, 2, 3], [4, 5], [], SamplingParams(), 0)
         if self.max_batch_size > 1:
             pair = [_Request(f"warm-up-{i}", 0, EMPTY_HASH, [0, 1, 2 + i], [4], [], SamplingParams(), 0)
@@ -203,3 +206,22 @@ class VerifyEngine:
                     raise request.error
                 self.end_session(request.session_id)
         self.end_session("warm-up")
+        self.verify_base_s, self.verify_per_draft_s = self._measure_costs()
+
+    def _measure_costs(self, drafts: int = 4, repeats: int = 3) -> tuple[float, float]:
+        """Seconds of a verify without drafts, and per extra draft, on a short context: the fastest of a few runs
+        (the fastest is the one least disturbed by whatever else the machine was doing)."""
+        context = [(7 * i + 3) % max(self.loaded.vocab_size, 1) for i in range(32)]
+        self.verify("cost-probe", 0, EMPTY_HASH, context, [], [], SamplingParams(), 0)
+        history = TokenHistory(context)
+        timings = {0: [], drafts: []}
+        for _ in range(repeats):
+            for k in timings:
+                base = len(history)
+                started = time.perf_counter()
+                outcome = self.verify("cost-probe", base, history.hash_at(base), [], [1] * k, [], SamplingParams(), 0)
+                timings[k].append(time.perf_counter() - started)
+                history.extend([1] * outcome.verdict.accepted + [outcome.verdict.next_token])
+        self.end_session("cost-probe")
+        base_s = min(timings[0])
+        return base_s, max(min(timings[drafts]) - base_s, 0.0) / drafts

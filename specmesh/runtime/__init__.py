@@ -1,0 +1,8 @@
+"""Model runtimes behind one seam: an engine owns a model's weights and the KV caches of its sessions.
+
+The drafter and verifier services never touch a model directly. They ask an engine (`engine.ModelEngine`) for a
+session's cached sequence and for the logits of the last few positions of a token sequence, alone or for several
+sessions in one forward pass. Two engines implement it: transformers (any HF model, CPU or GPU, exact in float32) and
+llama.cpp (GGUF files run quantized, as llama.cpp users run them). Everything above the seam (sessions, resync,
+batching, sampling, failover, metrics) is the same for both.
+"""

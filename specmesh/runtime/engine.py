@@ -1,0 +1,112 @@
+"""The engine seam: what the drafter and verifier services need from a model runtime, and how one is chosen."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from specmesh import catalog
+
+if TYPE_CHECKING:  # the coordinator reads ENGINES from here and must not pay for torch
+    import torch
+
+ENGINES = ("auto", "transformers", "llamacpp")
+
+
+class CachedTokens(Protocol):
+    """One session's token sequence whose keys/values an engine keeps, reused by longest common prefix."""
+
+    cached_tokens: list[int]  # exactly the tokens whose keys/values are cached, in order
+
+    def logits_for(self, sequence: Sequence[int], last_n: int) -> torch.Tensor:
+        """Float logits [last_n, vocab] predicting the token after each of the last `last_n` positions of
+        `sequence`; afterwards the cache holds the whole `sequence`."""
+
+    def rollback(self, length: int) -> None:
+        """Drop the cached keys/values past `length` tokens (explicit KV rollback of rejected drafts)."""
+
+    def reusable_length(self, sequence: Sequence[int], last_n: int) -> int:
+        """Cached tokens a `logits_for(sequence, last_n)` call keeps."""
+
+    @property
+    def num_bytes(self) -> int:
+        """Memory its cached keys/values take."""
+
+
+class ModelEngine(Protocol):
+    """A loaded model and the KV caches of its sessions. Info fields are what the worker reports over the wire."""
+
+    engine: str  # "transformers" or "llamacpp"
+    name: str  # the model spec it was loaded from
+    tokenizer: Any  # a transformers tokenizer (text <-> ids, fingerprint, chat template)
+    vocab_size: int  # logits width
+    eos_token_ids: tuple[int, ...]
+    fingerprint: str
+    device: str
+    dtype: str  # "float32", ..., or a GGUF file type such as "Q5_0"
+    has_chat_template: bool
+    context_limit: int | None  # longest sequence one session may hold
+    max_batch_size: int  # sessions one forward pass can serve (1: no cross-session batching)
+    weights_bytes: int  # memory of the weights as loaded
+
+    def new_sequence(self) -> CachedTokens: ...
+
+    def batched_logits(self, sequences: Sequence[CachedTokens], requests: Sequence[Sequence[int]],
+                       last_ns: Sequence[int]) -> list[torch.Tensor]:
+        """`[s.logits_for(r, n) for s, r, n in zip(...)]` in one forward pass; the sequences must be distinct."""
+
+
+def is_gguf_spec(spec: str) -> bool:
+    """Catalog names and .gguf paths: models that exist as GGUF files."""
+    return spec in catalog.CATALOG or Path(spec).suffix.lower() == ".gguf"
+
+
+def llamacpp_available() -> bool:
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def choose_engine(engine: str, spec: str, device: str = "auto", dtype: str = "auto") -> str:
+    """Resolve "auto": llama.cpp for GGUF models on CPU (it runs them quantized, several times faster than
+    dequantised float32 torch), transformers otherwise (HF models, GPUs, tiny test models) and whenever a float dtype
+    is asked for (llama.cpp has none to offer: it runs the GGUF's own weights)."""
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    if engine != "auto":
+        return engine
+    from specmesh.devices import resolve_device
+
+    on_cpu = resolve_device(device).type == "cpu"
+    wants_llamacpp = on_cpu and dtype == "auto" and is_gguf_spec(spec)
+    return "llamacpp" if wants_llamacpp and llamacpp_available() else "transformers"
+
+
+def as_engine(model: Any) -> ModelEngine:
+    """A model engine as is; a transformers LoadedModel (tests, embedding) wrapped in the transformers engine."""
+    if hasattr(model, "new_sequence"):
+        return model
+    from specmesh.runtime.transformers_engine import TransformersEngine
+
+    return TransformersEngine(model)
+
+
+def load_engine(spec: str, engine: str = "auto", device: str = "auto", dtype: str = "auto",
+                linear_backend: str = "auto", threads: int | None = None, max_sessions: int = 64,
+                context_length: int | None = None, progress: bool = True) -> ModelEngine:
+    """Load `spec` on the chosen engine. `context_length` caps a session's tokens (llama.cpp sizes its KV cache by
+    it); `max_sessions` is how many sessions the engine must be able to hold at once."""
+    chosen = choose_engine(engine, spec, device, dtype)
+    if chosen == "llamacpp":
+        from specmesh.runtime.llamacpp_engine import LlamaCppEngine
+
+        return LlamaCppEngine.load(spec, device=device, dtype=dtype, threads=threads, max_sessions=max_sessions,
+                                   context_length=context_length, progress=progress)
+    from specmesh.models import load_model
+    from specmesh.runtime.transformers_engine import TransformersEngine
+
+    return TransformersEngine(load_model(spec, device=device, dtype=dtype, linear_backend=linear_backend,
+                                         threads=threads, progress=progress))

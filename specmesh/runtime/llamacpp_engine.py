@@ -1,0 +1,294 @@
+"""The llama.cpp engine: a GGUF model run quantized by llama.cpp (llama-cpp-python's low-level API).
+
+One llama context serves every session of the worker. A session is a llama.cpp sequence id; the context's KV cache
+is unified (all sequences share its cells), so a long session and many short ones fit the same memory. Each call is
+ONE `llama_decode` over the new tokens of every session in it, with logits requested for exactly the positions the
+caller needs; rollback removes a sequence's cells past a position (`llama_memory_seq_rm`). When the cells run out,
+the least recently used sessions outside the current batch lose their cached keys/values (their histories stay, so
+their next call recomputes them). The high-level `Llama` class is not used: it keeps a full-vocabulary score array
+for the whole context and one sequence only.
+
+llama.cpp's batched evaluation is not bit-identical to its one-token evaluation, so speculative greedy output on this
+engine can differ from this engine's own one-token greedy decoding; the divergence is measured (scripts/bench.py),
+not hidden.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+import weakref
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specmesh import catalog
+from specmesh.kv_cache import reusable_length
+from specmesh.runtime.model_thread import ModelThread
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CONTEXT_CELLS = 16384  # KV cells shared by all sessions unless --max-context-length says otherwise
+_backend_ready = threading.Lock()
+_backend_initialised = False
+
+
+def _llama():
+    """Import llama_cpp once, with its native logging limited to errors (it otherwise prints the model card)."""
+    global _backend_initialised
+    try:
+        import llama_cpp
+        from llama_cpp import _logger
+    except ImportError as e:
+        raise ValueError("the llama.cpp engine needs llama-cpp-python (pip install llama-cpp-python); "
+                         "use --engine transformers otherwise") from e
+    with _backend_ready:
+        if not _backend_initialised:
+            _logger.set_verbose(logging.getLogger("llama-cpp-python").isEnabledFor(logging.DEBUG))
+            llama_cpp.llama_backend_init()
+            _backend_initialised = True
+    return llama_cpp
+
+
+def gguf_file(spec: str, progress: bool = True) -> Path:
+    """The GGUF file of a catalog name (fetched and verified) or a .gguf path."""
+    from specmesh.models import gguf_source
+
+    if spec in catalog.CATALOG:
+        catalog.fetch(spec, progress=progress)
+    source = gguf_source(spec)
+    if source is None:
+        raise ValueError(f"the llama.cpp engine runs GGUF files: {spec!r} is neither a catalog name nor a .gguf path")
+    return source[0]
+
+
+class LlamaSequence:
+    """One session's tokens in the shared llama context (a sequence id), with explicit rollback."""
+
+    def __init__(self, engine: LlamaCppEngine, seq_id: int) -> None:
+        self.engine = engine
+        self.seq_id = seq_id
+        self.cached_tokens: list[int] = []
+        self.last_used = 0  # engine clock tick of its last forward: the least recently used lose their cells first
+
+    def rollback(self, length: int) -> None:
+        if len(self.cached_tokens) > length:
+            self.engine.remove_cells(self, length)
+            del self.cached_tokens[length:]
+
+    def reusable_length(self, sequence: Sequence[int], last_n: int) -> int:
+        return reusable_length(self.cached_tokens, sequence, last_n)
+
+    def logits_for(self, sequence: Sequence[int], last_n: int) -> torch.Tensor:
+        return self.engine.batched_logits([self], [sequence], [last_n])[0]
+
+    @property
+    def num_bytes(self) -> int:
+        return len(self.cached_tokens) * self.engine.kv_bytes_per_token
+
+
+class LlamaCppEngine:
+    engine = "llamacpp"
+
+    def __init__(self, spec: str, path: Path, tokenizer, fingerprint: str, *, device: str = "cpu",
+                 threads: int | None = None, max_sessions: int = 64, context_length: int | None = None,
+                 max_batch_size: int = 64) -> None:
+        llama_cpp = _llama()
+        self._lib = llama_cpp
+        # torch only handles a few logits rows here (sampling, acceptance): one thread. Its own OpenMP team would
+        # otherwise wake for those small ops and spin on the same cores as llama.cpp's threads.
+        torch.set_num_threads(1)
+        self._thread = ModelThread("llamacpp-forward")
+        model_params = llama_cpp.llama_model_default_params()
+        model_params.n_gpu_layers = 0 if device == "cpu" else -1
+        self._model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params)
+        if not self._model:
+            raise ValueError(f"llama.cpp could not load {path}")
+        self._vocab = llama_cpp.llama_model_get_vocab(self._model)
+        n_ctx_train = llama_cpp.llama_model_n_ctx_train(self._model)
+        cells = context_length or min(n_ctx_train, DEFAULT_CONTEXT_CELLS)
+        n_threads = threads or len(os.sched_getaffinity(0))
+        self.max_sequences = min(max_sessions + 8, llama_cpp.llama_max_parallel_sequences())
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx = cells
+        params.n_batch = cells  # one llama_decode may carry a whole prompt; llama.cpp splits it into ubatches
+        params.n_seq_max = self.max_sequences
+        params.kv_unified = True  # one pool of cells for all sessions, whatever their lengths
+        params.n_threads = params.n_threads_batch = n_threads
+        params.no_perf = True
+        self._ctx = llama_cpp.llama_init_from_model(self._model, params)
+        if not self._ctx:
+            llama_cpp.llama_model_free(self._model)
+            raise ValueError(f"llama.cpp could not create a context of {cells} cells for {path}")
+        self._memory = llama_cpp.llama_get_memory(self._ctx)
+        self._batch = llama_cpp.llama_batch_init(cells, 0, 1)
+        self._closed = False
+
+        self.name = spec
+        self.path = path
+        self.tokenizer = tokenizer
+        self.fingerprint = fingerprint
+        self.vocab_size = llama_cpp.llama_vocab_n_tokens(self._vocab)
+        self.eos_token_ids = self._eos_ids(tokenizer)
+        self.device = "cpu" if device == "cpu" else "cuda"
+        description = llama_cpp.llama_model_desc_str(self._model) if hasattr(llama_cpp, "llama_model_desc_str") \
+            else self._describe()
+        self.dtype = description.split()[-1] if description else "gguf"
+        self.has_chat_template = bool(getattr(tokenizer, "chat_template", None))
+        self.context_limit = min(cells, n_ctx_train) if n_ctx_train > 0 else cells
+        self.max_batch_size = max_batch_size
+        self.threads = n_threads
+        n_layer = llama_cpp.llama_model_n_layer(self._model)
+        head_dim = llama_cpp.llama_model_n_embd(self._model) // max(1, llama_cpp.llama_model_n_head(self._model))
+        # K and V, f16, every layer, the key/value heads only (GQA).
+        self.kv_bytes_per_token = n_layer * 2 * llama_cpp.llama_model_n_head_kv(self._model) * head_dim * 2
+        self.weights_bytes = llama_cpp.llama_model_size(self._model)
+
+        self._free_ids = list(range(self.max_sequences - 1, -1, -1))
+        self._released: list[int] = []  # ids of dropped sessions whose cells are not removed yet
+        self._live: weakref.WeakValueDictionary[int, LlamaSequence] = weakref.WeakValueDictionary()
+        self._clock = 0
+        self._lock = threading.RLock()  # every llama call; the model thread is the only caller in practice
+
+    @classmethod
+    def load(cls, spec: str, device: str = "auto", dtype: str = "auto", threads: int | None = None,
+             max_sessions: int = 64, context_length: int | None = None, progress: bool = True) -> LlamaCppEngine:
+        from specmesh.devices import resolve_device
+        from specmesh.fingerprint import tokenizer_fingerprint
+        from specmesh.tokenizer import load_tokenizer
+
+        if dtype != "auto":
+            raise ValueError(f"--dtype {dtype} applies to the transformers engine; llama.cpp runs the GGUF's own "
+                             "(quantized) weights")
+        if threads is not None and threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        path = gguf_file(spec, progress)
+        tokenizer = load_tokenizer(spec, progress=progress)
+        resolved = resolve_device(device)
+        return cls(spec, path, tokenizer, tokenizer_fingerprint(tokenizer), device=resolved.type, threads=threads,
+                   max_sessions=max_sessions, context_length=context_length)
+
+    def _describe(self) -> str:
+        buffer = ctypes.create_string_buffer(256)
+        self._lib.llama_model_desc(self._model, buffer, ctypes.sizeof(buffer))
+        return buffer.value.decode(errors="replace")
+
+    def _eos_ids(self, tokenizer) -> tuple[int, ...]:
+        """The GGUF's end-of-sequence and end-of-turn tokens, and the tokenizer's eos (what transformers reads)."""
+        ids = {self._lib.llama_vocab_eos(self._vocab), self._lib.llama_vocab_eot(self._vocab),
+               getattr(tokenizer, "eos_token_id", None)}
+        return tuple(sorted(i for i in ids if i is not None and i >= 0))
+
+    # ------------------------------------------------------------------ sessions
+
+    def new_sequence(self) -> LlamaSequence:
+        with self._lock:
+            self._remove_released()
+            if not self._free_ids:
+                raise RuntimeError(f"all {self.max_sequences} llama.cpp sequences are in use")
+            seq_id = self._free_ids.pop()
+            sequence = LlamaSequence(self, seq_id)
+            self._live[seq_id] = sequence
+            # A dropped session (ended, evicted, expired) hands its id back; its cells are removed before the next
+            # decode, on the model thread, never from whichever thread happened to drop the last reference.
+            weakref.finalize(sequence, self._released.append, seq_id)
+            return sequence
+
+    def _remove_released(self) -> None:
+        while self._released:
+            seq_id = self._released.pop()
+            self._lib.llama_memory_seq_rm(self._memory, seq_id, -1, -1)
+            self._free_ids.append(seq_id)
+
+    def remove_cells(self, sequence: LlamaSequence, start: int) -> None:
+        with self._lock:
+            if not self._lib.llama_memory_seq_rm(self._memory, sequence.seq_id, start, -1):
+                raise RuntimeError(f"llama.cpp could not remove cells past {start} of sequence {sequence.seq_id}")
+
+    def _evict_for(self, keep: Sequence[LlamaSequence]) -> bool:
+        """Free the cells of the least recently used sequence outside `keep`; False when there is none."""
+        kept = {id(s) for s in keep}
+        candidates = [s for s in list(self._live.values()) if id(s) not in kept and s.cached_tokens]
+        if not candidates:
+            return False
+        victim = min(candidates, key=lambda s: s.last_used)
+        self._lib.llama_memory_seq_rm(self._memory, victim.seq_id, -1, -1)
+        victim.cached_tokens.clear()  # its history stays with its session: the next call recomputes the keys
+        log.info("llama.cpp KV cells full: dropped the cached keys of sequence %d", victim.seq_id)
+        return True
+
+    # ------------------------------------------------------------------ forward
+
+    def batched_logits(self, sequences: Sequence[LlamaSequence], requests: Sequence[Sequence[int]],
+                       last_ns: Sequence[int]) -> list[torch.Tensor]:
+        if not len(sequences) == len(requests) == len(last_ns):
+            raise ValueError("sequences, requests and last_ns must have the same length")
+        if len(set(map(id, sequences))) != len(sequences):
+            raise ValueError("a sequence may appear only once in a batch")
+        for tokens, last_n in zip(requests, last_ns):
+            if not 1 <= last_n <= len(tokens):
+                raise ValueError(f"last_n={last_n} out of range for a sequence of {len(tokens)} tokens")
+            if len(tokens) > self.context_limit:
+                raise ValueError(f"{len(tokens)} tokens exceed the context of {self.context_limit}")
+        return self._thread.run(self._decode, list(sequences), [list(r) for r in requests], list(last_ns))
+
+    def _decode(self, sequences: list[LlamaSequence], requests: list[list[int]],
+                last_ns: list[int]) -> list[torch.Tensor]:
+        lib = self._lib
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the llama.cpp engine is closed")
+            self._remove_released()
+            fresh = []
+            for sequence, tokens, last_n in zip(sequences, requests, last_ns):
+                sequence.rollback(sequence.reusable_length(tokens, last_n))
+                fresh.append(tokens[len(sequence.cached_tokens):])
+            batch = self._batch
+            outputs: list[list[int]] = []  # per row, the batch indices whose logits it wants
+            n = 0
+            for sequence, tokens, last_n in zip(sequences, fresh, last_ns):
+                start = len(sequence.cached_tokens)
+                for j, token in enumerate(tokens):
+                    batch.token[n] = token
+                    batch.pos[n] = start + j
+                    batch.n_seq_id[n] = 1
+                    batch.seq_id[n][0] = sequence.seq_id
+                    batch.logits[n] = j >= len(tokens) - last_n
+                    n += 1
+                outputs.append(list(range(n - last_n, n)))
+            batch.n_tokens = n
+            while True:
+                status = lib.llama_decode(self._ctx, batch)
+                if status == 1 and self._evict_for(sequences):
+                    continue  # no free KV cells: retry after dropping another session's keys
+                break
+            if status != 0:
+                # A failed decode may leave part of the batch in the cache: drop these rows' cells entirely.
+                for sequence in sequences:
+                    sequence.rollback(0)
+                raise RuntimeError(f"llama_decode failed with status {status}"
+                                   + (" (KV cells full: raise --max-context-length)" if status == 1 else ""))
+            self._clock += 1
+            results = []
+            for sequence, tokens, wanted in zip(sequences, fresh, outputs):
+                sequence.cached_tokens.extend(tokens)
+                sequence.last_used = self._clock
+                rows = np.empty((len(wanted), self.vocab_size), dtype=np.float32)
+                for r, index in enumerate(wanted):
+                    rows[r] = np.ctypeslib.as_array(lib.llama_get_logits_ith(self._ctx, index),
+                                                    shape=(self.vocab_size,))
+                results.append(torch.from_numpy(rows))
+            return results
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._lib.llama_batch_free(self._batch)
+            self._lib.llama_free(self._ctx)
+            self._lib.llama_model_free(self._model)

@@ -1,0 +1,63 @@
+"""The transformers engine: a LoadedModel (any HF causal LM, CPU or GPU) behind the engine seam."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from specmesh.batched_forward import batched_logits, can_batch
+from specmesh.devices import dtype_name
+from specmesh.kv_cache import CachedSequence
+from specmesh.models import LoadedModel
+from specmesh.onednn import OneDnnLinear
+from specmesh.runtime.model_thread import ModelThread
+
+
+class _ThreadedSequence(CachedSequence):
+    """A CachedSequence whose forward passes run on its engine's model thread."""
+
+    def __init__(self, model: torch.nn.Module, thread: ModelThread) -> None:
+        super().__init__(model)
+        self._thread = thread
+
+    def logits_for(self, sequence: Sequence[int], last_n: int) -> torch.Tensor:
+        return self._thread.run(super().logits_for, sequence, last_n)
+
+
+def weights_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the parameters and buffers, and of the oneDNN-packed weights (plain attributes, see onednn.py)."""
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}  # tied weights count once
+    for module in model.modules():
+        if isinstance(module, OneDnnLinear):
+            tensors[id(module.packed_weight)] = module.packed_weight
+            tensors[id(module.packed_bias)] = module.packed_bias
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+class TransformersEngine:
+    engine = "transformers"
+
+    def __init__(self, loaded: LoadedModel, max_batch_size: int = 64) -> None:
+        self.loaded = loaded
+        self.model = loaded.model
+        self.name = loaded.name
+        self.tokenizer = loaded.tokenizer
+        self.vocab_size = loaded.vocab_size
+        self.eos_token_ids = loaded.eos_token_ids
+        self.fingerprint = loaded.fingerprint
+        self.device = str(loaded.device)
+        self.dtype = dtype_name(loaded.dtype)
+        self.has_chat_template = loaded.has_chat_template
+        self.linear_backend = loaded.linear_backend
+        self.context_limit = getattr(loaded.model.config, "max_position_embeddings", None)
+        self.max_batch_size = max_batch_size if can_batch(loaded.model) else 1
+        self.weights_bytes = weights_bytes(loaded.model)
+        self._thread = ModelThread("transformers-forward")
+
+    def new_sequence(self) -> CachedSequence:
+        return _ThreadedSequence(self.model, self._thread)
+
+    def batched_logits(self, sequences: Sequence[CachedSequence], requests: Sequence[Sequence[int]],
+                       last_ns: Sequence[int]) -> list[torch.Tensor]:
+        return self._thread.run(batched_logits, self.model, sequences, requests, last_ns)

@@ -140,6 +140,10 @@ class Coordinator:
             raise
         self.eos_token_ids = frozenset(self.verifier_info.eos_token_ids)
         self.cost_prior = cost_prior(self.verifier_info, self.drafter_info)
+        # Limits agreed with the workers: no request may exceed what either side accepts (Info).
+        self.draft_limit = min(self.verifier_info.max_draft_tokens,
+                               self.drafter_info.max_draft_tokens if self.drafter_info is not None else 1 << 30)
+        self.context_limit = self.verifier_info.max_context_length
         # Which model runtime each side runs (transformers, llamacpp; "" for a model-free drafter), for the stats.
         self.engines = {"verifier_engine": self.verifier_info.engine,
                         **({"drafter_engine": self.drafter_info.engine} if self.drafter_info is not None else {})}
@@ -205,11 +209,10 @@ class Coordinator:
             raise ValueError("the prompt is empty")
         seed = options.seed if options.seed is not None else (random.getrandbits(63) if options.temperature else 0)
         use_drafter = self.drafters is not None and options.draft_tokens != 0
-        draft_length = (DraftLength(policy=options.draft_policy, prior=self.cost_prior)
-                        if options.draft_tokens is None
-                        else DraftLength.fixed(options.draft_tokens))
-        config = LoopConfig(max_new_tokens=options.max_new_tokens, eos_token_ids=self.eos_token_ids,
-                            draft_length=draft_length, pipeline=options.pipeline)
+        config = LoopConfig(max_new_tokens=self.token_budget(len(prompt_ids), options.max_new_tokens),
+                            eos_token_ids=self.eos_token_ids, draft_length=self.draft_length(options),
+                            pipeline=options.pipeline,
+                            max_propose_tokens=self.drafter_info.max_draft_tokens if use_drafter else None)
         session_id = new_session_id()
         logs.session_id.set(session_id)
         faults = FaultStats()
@@ -242,6 +245,34 @@ class Coordinator:
         metrics.record_generation(result, time.perf_counter() - started)
         self._finished(session_id, prompt, prompt_ids, options, result)
         return result
+
+    def check(self, prompt_tokens: int, options: GenerationOptions) -> None:
+        """Raise ValueError if a request cannot run within the workers' limits (what generate would refuse)."""
+        self.draft_length(options)
+        self.token_budget(prompt_tokens, options.max_new_tokens)
+
+    def draft_length(self, options: GenerationOptions) -> DraftLength:
+        """The draft length policy within the workers' limits; an explicit k above them is refused up front (the
+        drafter would refuse every call and the generation would silently run without drafts)."""
+        k = options.draft_tokens
+        if k is not None and k > self.draft_limit and self.drafters is not None:
+            raise ValueError(f"draft_tokens {k} exceeds what the workers accept: max_draft_tokens "
+                             f"{self.drafter_info.max_draft_tokens} (drafter), {self.verifier_info.max_draft_tokens} "
+                             f"(verifier); start them with a larger --max-draft-tokens")
+        if k is not None:
+            return DraftLength.fixed(k)
+        # Pipelining asks the drafter for one token more than the round drafts (the bet's bonus-token guess).
+        maximum = max(1, min(DraftLength.maximum, self.draft_limit - (1 if options.pipeline else 0)))
+        return DraftLength(initial=min(DraftLength.initial, maximum), maximum=maximum, policy=options.draft_policy,
+                           prior=self.cost_prior)
+
+    def token_budget(self, prompt_tokens: int, max_new_tokens: int) -> int:
+        """max_new_tokens, cut to what the verifier's context holds after the prompt (finish reason "length")."""
+        room = self.context_limit - prompt_tokens if self.context_limit else max_new_tokens
+        if room < 1:
+            raise ValueError(f"the prompt has {prompt_tokens} tokens: the verifier's context holds "
+                             f"{self.context_limit}, no room to generate")
+        return min(max_new_tokens, room)
 
     def _finished(self, session_id: str, prompt, prompt_ids: list[int], options: GenerationOptions,
                   result: GenerationResult) -> None:

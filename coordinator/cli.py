@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import signal
 import sys
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -33,7 +34,7 @@ def add_fleet_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", choices=ENGINES, default="auto",
                    help="model runtime of locally started workers: llamacpp (GGUF, quantized), transformers (torch); "
                    "auto = llamacpp for GGUF/catalog models on CPU unless --dtype is given (default: auto)")
-    p.add_argument("--draft-tokens", type=int, default=None,
+    p.add_argument("--draft-tokens", "--draft", type=int, default=None,
                    help="fixed draft length k; 0 = target-only decoding (default: adaptive)")
     p.add_argument("--draft-policy", choices=POLICIES, default=DEFAULT_POLICY,
                    help="how adaptive k is chosen: heuristic = +2 after a fully accepted round, -1 otherwise (HF's); "
@@ -64,7 +65,8 @@ def add_fleet_arguments(p: argparse.ArgumentParser) -> None:
 def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", required=True, help="the prompt text")
     add_fleet_arguments(p)
-    p.add_argument("--max-new-tokens", type=int, default=256, help="tokens to generate at most (default: 256)")
+    p.add_argument("--max-new-tokens", "--max", type=int, default=256,
+                   help="tokens to generate at most (default: 256)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default: 1.0 = off)")
     p.add_argument("--top-k", type=int, default=0, help="top-k sampling (default: 0 = off)")
@@ -212,6 +214,9 @@ def serve(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         print(f"coordinator: error: {e}", file=sys.stderr)
         return 2
+    # uvicorn stops gracefully on SIGTERM, restores the previous handler and raises the signal again: with the default
+    # handler that would end the process before the with-block below stops the local workers, leaving them running.
+    signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
         with connected(args, progress=True) as coordinator:
             app = create_app(coordinator, default_max_tokens=args.default_max_tokens,
@@ -224,6 +229,10 @@ def serve(args: argparse.Namespace) -> int:
         print(f"coordinator: error: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def _exit_on_signal(signum, frame) -> None:
+    raise SystemExit(0)  # a requested, graceful stop
 
 
 def models_list(args: argparse.Namespace) -> int:
@@ -273,15 +282,18 @@ def run_script(command: str, argv: list[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="coordinator", description="specmesh coordinator: distributed "
-                                     "speculative decoding over gRPC drafter and verifier services")
+    # allow_abbrev=False everywhere: with prefix matching, adding a flag could break a user's command line (--draft
+    # once meant --draft-tokens, until --draft-policy made it ambiguous); --draft and --max are explicit aliases now.
+    parser = argparse.ArgumentParser(prog="coordinator", allow_abbrev=False, description="specmesh coordinator: "
+                                     "distributed speculative decoding over gRPC drafter and verifier services")
     commands = parser.add_subparsers(dest="command", required=True)
-    gen = commands.add_parser("generate", help="generate text with speculative decoding")
+    gen = commands.add_parser("generate", help="generate text with speculative decoding", allow_abbrev=False)
     add_generate_arguments(gen)
     add_config_argument(gen)
     LEAF_PARSERS["generate"] = gen
     gen.set_defaults(func=generate)
-    srv = commands.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
+    srv = commands.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)",
+                              allow_abbrev=False)
     add_serve_arguments(srv)
     add_config_argument(srv)
     LEAF_PARSERS["serve"] = srv
@@ -291,7 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
     models = commands.add_parser("models", help="the built-in model catalog")
     models_commands = models.add_subparsers(dest="models_command", required=True)
     models_commands.add_parser("list", help="list catalog models").set_defaults(func=models_list)
-    pull = models_commands.add_parser("pull", help="download, assemble and verify a catalog model")
+    pull = models_commands.add_parser("pull", help="download, assemble and verify a catalog model", allow_abbrev=False)
     pull.add_argument("name", nargs="+", help="catalog model name(s), or 'all'")
     pull.set_defaults(func=models_pull)
     return parser

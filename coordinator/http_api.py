@@ -104,6 +104,8 @@ def create_app(coordinator: Coordinator, default_max_tokens: int = 256, draft_to
         request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         try:
             choices = [options_for(body, max_tokens, kind == "chat", i) for i in range(body.n)]
+            for options in choices:  # within the workers' limits (draft length, context): else 400, before streaming
+                coordinator.check(len(prompt_ids), options)
         except ValueError as e:
             return error(400, str(e))
         if body.stream:

@@ -52,10 +52,13 @@ class LoopConfig:
     eos_token_ids: frozenset[int] = frozenset()
     draft_length: DraftLength = DraftLength()
     pipeline: bool = False  # draft the next round while the target verifies this one
+    max_propose_tokens: int | None = None  # the drafter's limit: the pipelined bet never asks for more
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.max_propose_tokens is not None and self.max_propose_tokens < 1:
+            raise ValueError(f"max_propose_tokens must be >= 1, got {self.max_propose_tokens}")
 
 
 @dataclass(frozen=True)
@@ -98,8 +101,9 @@ def speculative_decode(drafter: DraftSource | None, target: TargetSession, confi
             drafted_at = time.perf_counter()
             # Pipelining: bet that every draft is accepted and draft the round after it meanwhile (1 more token: the
             # bet's first token predicts the target's bonus token). +2: the heuristic's next k after a full acceptance.
-            ahead = (ahead_pool.submit(drafter.propose, min(len(draft.tokens) + 3, config.draft_length.maximum + 1),
-                                       draft.tokens)
+            bet_length = min(len(draft.tokens) + 3, config.draft_length.maximum + 1,
+                             config.max_propose_tokens or config.draft_length.maximum + 1)
+            ahead = (ahead_pool.submit(drafter.propose, bet_length, draft.tokens)
                      if ahead_pool is not None and draft.tokens and remaining > len(draft.tokens) + 2 else None)
             verdict = target.verify(draft)
             verified_at = time.perf_counter()

@@ -53,7 +53,7 @@ if str(REPO) not in sys.path:
 from coordinator import Coordinator, GenerationOptions  # noqa: E402
 from coordinator.workers import LocalWorkerSpec, local_workers  # noqa: E402
 from specmesh import onednn  # noqa: E402
-from specmesh.defaults import DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL  # noqa: E402
+from specmesh.defaults import DEFAULT_DRAFT_MODEL, DEFAULT_MAX_DRAFT_TOKENS, DEFAULT_TARGET_MODEL  # noqa: E402
 from specmesh.runtime.engine import ENGINES, choose_engine, is_gguf_spec, llamacpp_available  # noqa: E402
 
 DEFAULT_PROMPTS = REPO / "scripts" / "bench_prompts.json"
@@ -119,8 +119,8 @@ def parse_modes(text: str) -> list[Mode]:
     for part in text.split(","):
         if part.strip():
             mode = parse_mode(part)
-            if mode.k is not None and mode.kind == "specmesh" and not 0 <= mode.k <= 32:
-                raise ValueError(f"draft length must be in 0..32, got {mode.k}")
+            if mode.k is not None and mode.kind == "specmesh" and not 0 <= mode.k <= DEFAULT_MAX_DRAFT_TOKENS:
+                raise ValueError(f"draft length must be in 0..{DEFAULT_MAX_DRAFT_TOKENS}, got {mode.k}")
             if mode not in modes:
                 modes.append(mode)
     if parse_mode(BASELINE) not in modes:  # every speedup is relative to it
@@ -329,7 +329,17 @@ def run_specmesh(args, modes: list[Mode], prompts: list[dict], log) -> tuple[dic
                 row = best_of(args.repeats, lambda: specmesh_row(c.generate(list(ids), options), prompt, mode))
                 rows.append(row)
                 log(row)
+        # Memory after every generation: what the workers hold (resident set vs the weights as loaded).
+        info["memory"] = {role: worker_memory(c, role) for role, c in (("verifier", base),
+                                                                      ("drafter", coordinators.get("model")))
+                          if c is not None}
     return info, rows, prompt_ids
+
+
+def worker_memory(coordinator: Coordinator, role: str) -> dict:
+    pool = coordinator.verifiers if role == "verifier" else coordinator.drafters
+    reply = pool.endpoints[0].info()
+    return {"resident_bytes": reply.resident_bytes, "weights_bytes": reply.weights_bytes}
 
 
 # --------------------------------------------------------------------------
@@ -702,6 +712,11 @@ def header_notes(report: dict) -> list[str]:
         if cpu.get("llamacpp_cpu_features") is not None:
             text += f"; llama.cpp build {' '.join(cpu['llamacpp_cpu_features']) or '(none of these)'}"
         lines.append(text + (f"; threads {config['threads']}" if config.get("threads") else "") + ".")
+    for role, memory in (info.get("memory") or {}).items():
+        if memory.get("weights_bytes"):
+            lines.append(f"- {role} memory after the run: {memory['resident_bytes'] / 2**30:.2f} GiB resident, weights "
+                         f"{memory['weights_bytes'] / 2**30:.2f} GiB "
+                         f"({memory['resident_bytes'] / memory['weights_bytes']:.2f}x).")
     if info.get("hf_dtype"):
         lines.append(f"- HF transformers baselines: {info['hf_dtype']}.")
     llama = info.get("llamacpp")

@@ -21,6 +21,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from specmesh import logs, metrics, onednn
+from specmesh.defaults import DEFAULT_MAX_DRAFT_TOKENS
 from specmesh.devices import dtype_name
 from specmesh.history import ResyncRequired
 from specmesh.models import LoadedModel
@@ -60,7 +61,7 @@ class WorkerConfig:
     engine: str = "auto"  # "transformers", "llamacpp", or auto: llama.cpp for GGUF models on CPU (specmesh/runtime)
     threads: int | None = None
     limits: SessionLimits = field(default_factory=SessionLimits)
-    max_draft_tokens: int = 32
+    max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS
     max_context_length: int | None = None  # None: the model's max_position_embeddings
     inject_latency_s: float = 0.0  # testing knob: every Propose/Verify first waits this long (a slow worker)
     tls: TlsFiles | None = None  # server certificate (+ CA: require client certificates, mutual TLS)
@@ -240,6 +241,7 @@ class WorkerServer:
             raise OSError(f"could not bind {config.host}:{config.port}")
         self._stopped = threading.Event()
         self.stopping = self._stopped  # set once shutdown begins: injected waits end early
+        self.terminated = threading.Event()  # set once every call has finished or been cancelled
 
     @property
     def address(self) -> str:
@@ -294,6 +296,7 @@ class WorkerServer:
         metrics.unregister_state(f"{self.config.role}:{self.port}")
         self.health.enter_graceful_shutdown()
         self._server.stop(grace).wait()
+        self.terminated.set()
 
     def wait(self) -> None:
         self._server.wait_for_termination()

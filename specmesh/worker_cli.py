@@ -16,8 +16,10 @@ from collections.abc import Callable
 from specmesh import config as flag_config
 from specmesh import onednn
 from specmesh.config import add_config_argument
+from specmesh.defaults import DEFAULT_MAX_DRAFT_TOKENS
 from specmesh.logs import configure_logging
 from specmesh.metrics import serve_metrics
+from specmesh.runtime import model_thread
 from specmesh.runtime.engine import ENGINES
 from specmesh.security import TlsFiles, exposure_warning, load_token
 from specmesh.serving import WorkerConfig, WorkerServer
@@ -45,7 +47,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser, default_model: str) -> 
     parser.add_argument("--max-sessions", type=int, default=64, help="KV-cache sessions kept, LRU-evicted (default: 64)")
     parser.add_argument("--session-ttl", type=float, default=600.0,
                         help="seconds an idle session's KV cache is kept (default: 600)")
-    parser.add_argument("--max-draft-tokens", type=int, default=32, help="largest k accepted (default: 32)")
+    parser.add_argument("--max-draft-tokens", type=int, default=DEFAULT_MAX_DRAFT_TOKENS,
+                        help=f"largest k accepted (default: {DEFAULT_MAX_DRAFT_TOKENS})")
     parser.add_argument("--max-context-length", type=int, default=None,
                         help="longest token history accepted (default: the model's maximum; llama.cpp: at most "
                         "16384, and its KV cache holds this many tokens shared by all sessions)")
@@ -105,9 +108,9 @@ def add_verifier_arguments(parser: argparse.ArgumentParser) -> None:
 
 def serve_main(role: str, build_server: Callable[..., WorkerServer], default_model: str,
                argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=role, description=f"specmesh {role} service")
+    parser = argparse.ArgumentParser(prog=role, description=f"specmesh {role} service", allow_abbrev=False)
     commands = parser.add_subparsers(dest="command", required=True)
-    serve = commands.add_parser("serve", help=f"run the {role} gRPC service")
+    serve = commands.add_parser("serve", help=f"run the {role} gRPC service", allow_abbrev=False)
     add_serve_arguments(serve, default_model)
     if role == "drafter":
         add_drafter_arguments(serve)
@@ -153,6 +156,7 @@ def serve_main(role: str, build_server: Callable[..., WorkerServer], default_mod
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    model_thread.use_main_thread()  # every forward pass on this thread: see specmesh/runtime/model_thread.py
     server.start()
     print(f"LISTENING {server.address}", flush=True)
     metrics_port = serve_metrics(args.metrics_port, args.metrics_host)
@@ -165,5 +169,7 @@ def serve_main(role: str, build_server: Callable[..., WorkerServer], default_mod
         server.stop(grace=0)
         return 1
     print(f"READY {server.address}", flush=True)
+    # Until the server has stopped (in-flight calls drained), this thread runs the engines' forward passes.
+    model_thread.serve_on_main_thread(server.terminated)
     server.wait()
     return 0

@@ -36,6 +36,16 @@ def test_generate_starts_local_workers_and_matches_target(expected):
     assert out["stats"]["rounds"] < 24 or out["stats"]["acceptance_rate"] is not None
 
 
+def test_original_short_flags_are_aliases_and_prefixes_are_not_accepted(expected):
+    """The script specmesh grew from was run as `--prompt ... --max 100 --draft 4`: both are documented aliases.
+    Abbreviations are off, so a new flag can never make an old command line ambiguous."""
+    run = coordinator("generate", "--prompt", "hello world", "--max", "24", "--draft", "4", "--json", *TINY)
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout)["token_ids"] == expected
+    abbreviated = coordinator("generate", "--prompt", "hello world", "--max-new", "24", *TINY)
+    assert abbreviated.returncode == 2 and "unrecognized arguments: --max-new" in abbreviated.stderr
+
+
 def test_generate_streams_text_and_prints_summary(expected):
     run = coordinator("generate", "--prompt", "hello world", "--max-new-tokens", "24", "--draft-tokens", "3", *TINY)
     assert run.returncode == 0, run.stderr

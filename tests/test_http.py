@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
 import threading
+import uuid
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import openai
@@ -117,10 +120,24 @@ def test_models_health_and_errors(client, base_url):
     assert client.completions.create(model=MODEL, prompt="x", max_tokens=2, temperature=0).choices  # still serving
 
 
+def processes_with(variable: str, value: str) -> list[int]:
+    """PIDs of the processes whose environment holds variable=value (children inherit it)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and f"{variable}={value}".encode() in (entry / "environ").read_bytes().split(b"\0"):
+                found.append(int(entry.name))
+        except OSError:
+            pass  # gone meanwhile, or not ours to read
+    return found
+
+
 def test_coordinator_serve_cli(tmp_path):
+    mark = uuid.uuid4().hex  # inherited by the local workers `coordinator serve` starts
     server = subprocess.Popen([sys.executable, "-m", "coordinator", "serve", "--port", "0", "--target-model", MODEL,
                                "--draft-model", "tiny-random-qwen2-b", "--dtype", "float64", "--device", "cpu"],
-                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                              env={**os.environ, "SERVE_TEST_MARK": mark})
     try:
         line = server.stdout.readline()
         assert line.startswith("LISTENING http://"), line
@@ -129,9 +146,13 @@ def test_coordinator_serve_cli(tmp_path):
                                                            "temperature": 0}, timeout=120)
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] >= 1
         assert json.loads(httpx.get(url + "/v1/models").text)["data"][0]["id"] == MODEL
+        assert len(processes_with("SERVE_TEST_MARK", mark)) >= 3  # the server, its verifier and its drafter
     finally:
         server.terminate()
         server.wait(30)
+    # SIGTERM drains the server and stops the workers it started: nothing is left running.
+    assert server.returncode == 0
+    assert processes_with("SERVE_TEST_MARK", mark) == []
 
 
 def test_prometheus_metrics_are_scraped(client, coordinator, tiny_target):

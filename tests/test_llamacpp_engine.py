@@ -18,7 +18,7 @@ from coordinator.loop import LoopConfig, speculative_decode
 from coordinator.draft_length import DraftLength
 from drafter.engine import DraftEngine
 from specmesh.runtime.engine import choose_engine
-from specmesh.runtime.llamacpp_engine import LlamaCppEngine
+from specmesh.runtime.llamacpp_engine import LlamaCppEngine, file_type
 from specmesh.sampling import SamplingParams, draft_sample, warp_probs
 from tests.test_acceptance import assert_distributed_as, first_token_counts
 from tests.test_loop import InProcessDrafter, InProcessTarget
@@ -57,6 +57,12 @@ def test_auto_picks_llamacpp_for_gguf_on_cpu_only():
     assert choose_engine("transformers", SMOL, "cpu") == "transformers"
     with pytest.raises(ValueError, match="engine must be one of"):
         choose_engine("vllm", SMOL, "cpu")
+
+
+def test_file_type_from_the_model_description():
+    assert file_type("qwen2 1.5B Q5_K - Medium") == "Q5_K_M"
+    assert file_type("llama 135M Q4_1") == "Q4_1"
+    assert file_type("") == "gguf"
 
 
 def test_reports_what_the_worker_serves(smol):

@@ -66,6 +66,15 @@ def gguf_file(spec: str, progress: bool = True) -> Path:
     return source[0]
 
 
+def file_type(description: str) -> str:
+    """The weights' type from llama.cpp's model description ("qwen2 1.5B Q5_K - Medium" -> "Q5_K_M"; the description
+    is architecture, size, file type)."""
+    name = " ".join(description.split()[2:])
+    for long, short in ((" - Small", "_S"), (" - Medium", "_M"), (" - Large", "_L")):
+        name = name.replace(long, short)
+    return name.replace(" ", "") or "gguf"
+
+
 class LlamaSequence:
     """One session's tokens in the shared llama context (a sequence id), with explicit rollback."""
 
@@ -135,9 +144,7 @@ class LlamaCppEngine:
         self.vocab_size = llama_cpp.llama_vocab_n_tokens(self._vocab)
         self.eos_token_ids = self._eos_ids(tokenizer)
         self.device = "cpu" if device == "cpu" else "cuda"
-        description = llama_cpp.llama_model_desc_str(self._model) if hasattr(llama_cpp, "llama_model_desc_str") \
-            else self._describe()
-        self.dtype = description.split()[-1] if description else "gguf"
+        self.dtype = file_type(self._describe())
         self.has_chat_template = bool(getattr(tokenizer, "chat_template", None))
         self.context_limit = min(cells, n_ctx_train) if n_ctx_train > 0 else cells
         self.max_batch_size = max_batch_size

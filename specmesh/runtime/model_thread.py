@@ -1,31 +1,73 @@
-"""One dedicated thread for every forward pass of a worker.
+"""One thread for every forward pass of a worker, the process's main thread where it can be.
 
-gRPC runs each call on whichever pool thread took it. Both torch (OpenMP) and llama.cpp's CPU backend keep a team of
-compute threads per *calling* thread, so forwards issued from ten handler threads build ten teams whose idle members
-spin on the same two cores. Running all forwards on one long-lived thread keeps exactly one team, warm.
+gRPC runs each call on whichever pool thread took it. Forward passes issued from many threads cost more: torch keeps
+an OpenMP team per calling thread (idle members spin on the same cores) and, measured here, the same float32 forward
+runs 15-35% slower on any thread but the main one (the 1.5B target: 211-255 ms per token on the main thread, 285-304
+ms on another thread, alternating in one process; HF generate() on the main thread 203-231 ms). So a worker process
+hands its main thread to its engines (`serve_on_main_thread`, from `drafter serve` / `verifier serve`); engines built
+in any other setting (tests, embedding) get a dedicated thread of their own. Either way there is exactly one.
 """
 
 from __future__ import annotations
 
+import queue
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import TypeVar
 
 T = TypeVar("T")
 
+_main_queue: queue.SimpleQueue | None = None  # set by use_main_thread(): work for the main thread
+
+
+def use_main_thread() -> None:
+    """From now on, model threads run their work on the main thread, which must call serve_on_main_thread."""
+    global _main_queue
+    if threading.current_thread() is not threading.main_thread():
+        raise RuntimeError("use_main_thread must be called from the main thread")
+    _main_queue = _main_queue or queue.SimpleQueue()
+
+
+def serve_on_main_thread(stop: threading.Event, poll_s: float = 0.2) -> None:
+    """Run queued work on this (the main) thread until `stop` is set."""
+    if _main_queue is None:
+        raise RuntimeError("call use_main_thread first")
+    while not stop.is_set():
+        try:
+            future, fn, args, kwargs = _main_queue.get(timeout=poll_s)  # wakes to let signal handlers run
+        except queue.Empty:
+            continue
+        _run(future, fn, args, kwargs)
+
+
+def _run(future: Future, fn: Callable, args: tuple, kwargs: dict) -> None:
+    if not future.set_running_or_notify_cancel():
+        return
+    try:
+        future.set_result(fn(*args, **kwargs))
+    except BaseException as e:  # handed to the caller, which re-raises it
+        future.set_exception(e)
+
 
 class ModelThread:
     def __init__(self, name: str) -> None:
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
-        self._ident: int | None = None
-        self._executor.submit(self._remember_ident).result()
+        if _main_queue is not None:
+            self._queue, self._ident = _main_queue, threading.main_thread().ident
+            return
+        self._queue = queue.SimpleQueue()
+        thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        thread.start()
+        self._ident = thread.ident
 
-    def _remember_ident(self) -> None:
-        self._ident = threading.get_ident()
+    def _serve(self) -> None:
+        while True:
+            _run(*self._queue.get())
 
     def run(self, fn: Callable[..., T], *args, **kwargs) -> T:
         """fn(*args, **kwargs) on the model thread (directly when already on it: nested calls must not deadlock)."""
         if threading.get_ident() == self._ident:
             return fn(*args, **kwargs)
-        return self._executor.submit(fn, *args, **kwargs).result()
+        future: Future = Future()
+        self._queue.put((future, fn, args, kwargs))
+        return future.result()

@@ -1,0 +1,150 @@
+"""Where one target-only round's time goes, layer by layer, on the real target model.
+
+Each layer adds one thing to the one below, measured in the same process run on the same prompt (median over
+--steps one-token steps after a warm-up):
+
+    engine      the model engine's forward for one new token (specmesh/runtime), logits copied out
+    verifier    + VerifyEngine: session sync, history hashing, batching queue, model-thread hand-off, accept/reject
+    grpc        + protobuf and gRPC to a verifier subprocess on loopback (the server's threads, the client's stub)
+    coordinator + the coordinator's loop: retries, breakers, fleet, incremental detokenisation (a full generation)
+    hf          HF transformers' own generate() per token on the same model and kernels (transformers engine only)
+
+    python scripts/profile_round.py --engine llamacpp
+    python scripts/profile_round.py --engine transformers --dtype float32
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from coordinator import Coordinator, GenerationOptions  # noqa: E402
+from coordinator.workers import LocalWorker, LocalWorkerSpec  # noqa: E402
+from specmesh.defaults import DEFAULT_TARGET_MODEL  # noqa: E402
+from specmesh.history import EMPTY_HASH, TokenHistory  # noqa: E402
+from specmesh.runtime.engine import load_engine  # noqa: E402
+from specmesh.sampling import SamplingParams  # noqa: E402
+from specmesh.v1 import specmesh_pb2 as pb  # noqa: E402
+from verifier.engine import VerifyEngine  # noqa: E402
+
+PROMPT = "Write a Python function that checks whether a number is prime."
+
+
+def median_ms(samples: list[float]) -> float:
+    return round(1000 * statistics.median(samples), 1)
+
+
+def timed_steps(step, steps: int) -> list[float]:
+    step()  # warm-up
+    times = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - started)
+    return times
+
+
+def profile_in_process(args, prompt: list[int]) -> dict:
+    engine = load_engine(args.model, engine=args.engine, device="cpu", dtype=args.dtype, threads=args.threads,
+                         progress=False)
+    sequence, tokens = engine.new_sequence(), list(prompt)
+    sequence.logits_for(tokens, 1)
+
+    def engine_step() -> None:
+        tokens.append(int(sequence.logits_for(tokens, 1)[0].argmax()))
+
+    results = {"engine": median_ms(timed_steps(engine_step, args.steps))}
+    verifier, history = VerifyEngine(engine), TokenHistory()
+
+    def verifier_step() -> None:
+        base = len(history)
+        new = [] if base else list(prompt)
+        outcome = verifier.verify("profile", base, history.hash_at(base) if base else EMPTY_HASH, new, [], [],
+                                  SamplingParams(), 0)
+        history.extend([*new, outcome.verdict.next_token])
+
+    verifier_step()  # the prefill
+    results["verifier"] = median_ms(timed_steps(verifier_step, args.steps))
+    if args.engine == "transformers" or getattr(engine, "engine", "") == "transformers":
+        results["hf"] = hf_per_token_ms(engine.model, prompt, args.steps)
+    close = getattr(engine, "close", None)
+    if close is not None:
+        close()
+    return results
+
+
+def hf_per_token_ms(model, prompt: list[int], steps: int) -> float:
+    import torch
+
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        model.generate(ids, max_new_tokens=4, do_sample=False)
+        started = time.perf_counter()
+        model.generate(ids, max_new_tokens=1, do_sample=False)
+        prefill = time.perf_counter() - started
+        started = time.perf_counter()
+        model.generate(ids, max_new_tokens=steps + 1, do_sample=False, min_new_tokens=steps + 1)
+        total = time.perf_counter() - started
+    return round(1000 * (total - prefill) / steps, 1)
+
+
+def profile_served(args, prompt: list[int]) -> dict:
+    with tempfile.TemporaryDirectory(prefix="specmesh-profile-") as log_dir:
+        worker = LocalWorker(LocalWorkerSpec("verifier", args.model, "cpu", args.dtype, threads=args.threads,
+                                             engine=args.engine), log_dir)
+        try:
+            worker.wait_serving(1800)
+            from coordinator.workers import RemoteWorker
+            remote, history = RemoteWorker(worker.address, "verifier"), TokenHistory()
+
+            def grpc_step() -> None:
+                base = len(history)
+                new = [] if base else list(prompt)
+                reply = remote.stub.Verify(pb.VerifyRequest(session_id="profile", context=pb.ContextSync(
+                    base_length=base, base_hash=history.hash_at(base) if base else EMPTY_HASH, new_tokens=new)),
+                    timeout=60)
+                history.extend([*new, reply.next_token])
+
+            grpc_step()
+            results = {"grpc": median_ms(timed_steps(grpc_step, args.steps))}
+            remote.close()
+            with Coordinator(worker.address) as coordinator:
+                options = GenerationOptions(max_new_tokens=args.steps + 1, draft_tokens=0, chat=False)
+                coordinator.generate(list(prompt), options)  # warm-up
+                result = coordinator.generate(list(prompt), options)
+                rounds = result.rounds[1:]  # round 0 holds the prefill
+                results["coordinator"] = median_ms([r.verify_s + r.draft_s for r in rounds])
+            return results
+        finally:
+            worker.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=DEFAULT_TARGET_MODEL)
+    parser.add_argument("--engine", default="auto", choices=("auto", "transformers", "llamacpp"))
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--steps", type=int, default=24, help="one-token steps timed per layer (default: 24)")
+    args = parser.parse_args(argv)
+    from specmesh.tokenizer import load_tokenizer
+
+    prompt = load_tokenizer(args.model, progress=False)(PROMPT)["input_ids"]
+    results = {**profile_in_process(args, prompt), **profile_served(args, prompt)}
+    print(f"{args.model}, engine {args.engine}, dtype {args.dtype}, median ms per one-token step:")
+    for layer in ("engine", "verifier", "grpc", "coordinator", "hf"):
+        if layer in results:
+            print(f"  {layer:12s} {results[layer]:8.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

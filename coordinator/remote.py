@@ -15,7 +15,7 @@ import grpc
 
 from specmesh.history import TokenHistory
 from specmesh.sampling import SamplingParams
-from specmesh.serving import KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS, RESYNC_PREFIX
+from specmesh.rpc_contract import KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS, RESYNC_PREFIX
 from specmesh.v1 import specmesh_pb2 as pb
 from specmesh.v1 import specmesh_pb2_grpc as pb_grpc
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from specmesh.history import EMPTY_HASH, TokenHistory
 from specmesh.runtime.engine import ModelEngine, as_engine
 from specmesh.sampling import SamplingParams, SparseDist, draft_sample
-from specmesh.serving import Cancelled
+from specmesh.rpc_contract import Cancelled
 from specmesh.sessions import SessionLimits, SessionStore, kv_sessions
 
 

@@ -32,7 +32,8 @@ from specmesh.fingerprint import tokenizer_fingerprint
 from specmesh.history import EMPTY_HASH, TokenHistory
 from specmesh.models import LoadedModel
 from specmesh.sampling import SamplingParams, SparseDist
-from specmesh.serving import Cancelled, WorkerConfig, WorkerServer
+from specmesh.rpc_contract import Cancelled
+from specmesh.serving import WorkerConfig, WorkerServer
 from specmesh.sessions import SessionLimits, SessionStore
 from specmesh.tokenizer import load_tokenizer, tokenizer_dir
 

@@ -27,18 +27,13 @@ from specmesh.history import ResyncRequired
 from specmesh.models import LoadedModel
 from specmesh.runtime.engine import ENGINES, as_engine, load_engine
 from specmesh.security import ConcurrencyLimitInterceptor, TlsFiles, TokenAuthInterceptor, caller_identity
+from specmesh.rpc_contract import KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS, RESYNC_PREFIX, Cancelled, NotReady
 from specmesh.sessions import SessionLimits
 from specmesh.v1 import specmesh_pb2 as pb
 from specmesh.validation import check_session_id
 
 log = logging.getLogger(__name__)
 
-RESYNC_PREFIX = "resync:"
-
-# Keepalive pings notice a silently dead peer; the client side (coordinator/channels.py) uses matching values and the
-# server permits pings that often so it never answers them with GOAWAY "too_many_pings".
-KEEPALIVE_TIME_MS = 20_000
-KEEPALIVE_TIMEOUT_MS = 10_000
 SERVER_OPTIONS = [
     ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
     ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
@@ -109,14 +104,6 @@ def resident_bytes() -> int:
             return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return 0
-
-
-class NotReady(Exception):
-    """The model is still loading."""
-
-
-class Cancelled(Exception):
-    """The client cancelled the call or its deadline passed: stop working on it."""
 
 
 def rpc(handler: Callable) -> Callable:

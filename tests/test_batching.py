@@ -19,7 +19,7 @@ from specmesh.batched_forward import MAX_BATCHED_FRESH_TOKENS, batched_logits, c
 from specmesh.history import EMPTY_HASH, ResyncRequired, history_hash
 from specmesh.kv_cache import CachedSequence
 from specmesh.sampling import SamplingParams
-from specmesh.serving import Cancelled
+from specmesh.rpc_contract import Cancelled
 from tests.helpers import reference_greedy
 from verifier.engine import VerifyEngine
 from verifier.service import run_server as run_verifier

@@ -81,3 +81,15 @@ def test_models_list_names_the_catalog():
 def test_models_pull_unknown_name():
     run = coordinator("models", "pull", "no-such-model")
     assert run.returncode == 2 and "unknown model" in run.stderr
+
+
+def test_the_coordinator_imports_no_server_code():
+    """A client depends on the wire contract, the decoding math and a tokenizer: never on the worker server, the
+    model engines or llama.cpp (specmesh.serving pulls in the engines and the gRPC server)."""
+    code = ("import sys, coordinator.api, coordinator.cli, coordinator.http_api; "
+            "print(sorted(m for m in sys.modules if m.startswith(('specmesh.serving', 'specmesh.sessions', "
+            "'specmesh.runtime.llamacpp', 'specmesh.runtime.transformers', 'specmesh.batched_forward', "
+            "'llama_cpp', 'verifier', 'drafter'))))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "[]"

@@ -21,7 +21,7 @@ from drafter.ngram import (NgramConfig, NgramEngine, NgramIndex, NgramModelInfo,
 from drafter.service import run_server as run_drafter
 from specmesh.history import EMPTY_HASH, ResyncRequired, TokenHistory, history_hash
 from specmesh.sampling import SamplingParams, SparseDist
-from specmesh.serving import Cancelled
+from specmesh.rpc_contract import Cancelled
 from specmesh.v1 import specmesh_pb2 as pb
 from tests.helpers import reference_greedy
 from verifier.cli import main as verifier_main

@@ -21,7 +21,7 @@ from specmesh.batched_forward import MAX_BATCHED_FRESH_TOKENS, fresh_length
 from specmesh.history import EMPTY_HASH, TokenHistory
 from specmesh.runtime.engine import ModelEngine, as_engine
 from specmesh.sampling import SamplingParams, SparseDist
-from specmesh.serving import Cancelled
+from specmesh.rpc_contract import Cancelled
 from specmesh.sessions import Session, SessionLimits, SessionStore, kv_sessions
 
 

@@ -9,6 +9,9 @@ Each layer adds one thing to the one below, measured in the same process run on 
     coordinator + the coordinator's loop: retries, breakers, fleet, incremental detokenisation (a full generation)
     hf          HF transformers' own generate() per token on the same model and kernels (transformers engine only)
 
+and, with --drafts K, a verify of K drafts in VerifyEngine against one forward over the same K + 1 tokens on a KV
+cache, the way HF's assisted generation verifies (transformers engine only).
+
     python scripts/profile_round.py --engine llamacpp
     python scripts/profile_round.py --engine transformers --dtype float32
 """
@@ -73,8 +76,19 @@ def profile_in_process(args, prompt: list[int]) -> dict:
 
     verifier_step()  # the prefill
     results["verifier"] = median_ms(timed_steps(verifier_step, args.steps))
-    if args.engine == "transformers" or getattr(engine, "engine", "") == "transformers":
+    if args.drafts:
+        def verify_drafts() -> None:
+            base = len(history)  # the drafts are rejected (they are arbitrary): each call verifies K of them anew
+            outcome = verifier.verify("profile", base, history.hash_at(base), [], [1] * args.drafts, [],
+                                      SamplingParams(), 0)
+            history.extend([1] * outcome.verdict.accepted + [outcome.verdict.next_token])
+
+        results[f"verify {args.drafts} drafts"] = median_ms(timed_steps(verify_drafts, max(3, args.steps // 4)))
+    if getattr(engine, "engine", "") == "transformers":
         results["hf"] = hf_per_token_ms(engine.model, prompt, args.steps)
+        if args.drafts:
+            results[f"hf forward {args.drafts + 1} tokens"] = hf_forward_ms(engine.model, prompt, args.drafts + 1,
+                                                                           max(3, args.steps // 4))
     close = getattr(engine, "close", None)
     if close is not None:
         close()
@@ -94,6 +108,22 @@ def hf_per_token_ms(model, prompt: list[int], steps: int) -> float:
         model.generate(ids, max_new_tokens=steps + 1, do_sample=False, min_new_tokens=steps + 1)
         total = time.perf_counter() - started
     return round(1000 * (total - prefill) / steps, 1)
+
+
+def hf_forward_ms(model, prompt: list[int], tokens: int, repeats: int) -> float:
+    """One forward over `tokens` new tokens after the prompt, on a DynamicCache (HF's assisted-generation verify)."""
+    import torch
+    from transformers import DynamicCache
+
+    times = []
+    with torch.inference_mode():
+        for _ in range(repeats + 1):
+            cache = DynamicCache(config=model.config)
+            model(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True)
+            started = time.perf_counter()
+            model(input_ids=torch.tensor([[1] * tokens]), past_key_values=cache, use_cache=True)
+            times.append(time.perf_counter() - started)
+    return median_ms(times[1:])
 
 
 def profile_served(args, prompt: list[int]) -> dict:
@@ -134,15 +164,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--steps", type=int, default=24, help="one-token steps timed per layer (default: 24)")
+    parser.add_argument("--drafts", type=int, default=0, help="also time a verify of this many drafts (default: 0)")
     args = parser.parse_args(argv)
+    from specmesh.runtime import model_thread
     from specmesh.tokenizer import load_tokenizer
+
+    model_thread.use_main_thread()  # as in a worker process: every forward on the main thread (all calls are here)
 
     prompt = load_tokenizer(args.model, progress=False)(PROMPT)["input_ids"]
     results = {**profile_in_process(args, prompt), **profile_served(args, prompt)}
     print(f"{args.model}, engine {args.engine}, dtype {args.dtype}, median ms per one-token step:")
-    for layer in ("engine", "verifier", "grpc", "coordinator", "hf"):
-        if layer in results:
-            print(f"  {layer:12s} {results[layer]:8.1f}")
+    for layer, ms in results.items():
+        print(f"  {layer:22s} {ms:8.1f}")
     return 0
 
 

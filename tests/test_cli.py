@@ -28,7 +28,8 @@ def expected():
 
 
 def test_generate_starts_local_workers_and_matches_target(expected):
-    run = coordinator("generate", "--prompt", "hello world", "--max-new-tokens", "24", "--json", *TINY)
+    run = coordinator("generate", "--prompt", "hello world", "--max-new-tokens", "24", "--json",
+                      "--draft-policy", "heuristic", *TINY)  # the heuristic always drafts
     assert run.returncode == 0, run.stderr
     out = json.loads(run.stdout)
     assert out["status"] == "ok"

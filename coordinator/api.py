@@ -20,16 +20,17 @@ from coordinator.draft_length import DEFAULT_POLICY, POLICIES, PRIOR_ACCEPTANCE,
 from coordinator.fleet import WorkerPool
 from coordinator.loop import DraftLength, LoopConfig, LoopResult, speculative_decode
 from coordinator.record import Recorder
-from coordinator.remote import new_session_id
+from coordinator.channel import new_session_id
 from coordinator.resilience import NoWorkerAvailable, ResilienceConfig
-from coordinator.sessions import DegradingDraftSession, FailoverTargetSession, FaultStats
+from coordinator.remote_sessions import DegradingDraftSession, FailoverTargetSession, FaultStats
 from coordinator.text_stream import TextStream
 from coordinator.workers import WorkerError
-from specmesh.tokenizer import load_tokenizer
-from specmesh import logs, metrics
-from specmesh.sampling import SamplingParams
-from specmesh.security import ClientSecurity, load_token
-from specmesh.validation import MAX_SEED
+from specmesh.runtime.tokenizer import load_tokenizer
+from specmesh.ops import logs
+from specmesh.ops import metrics
+from specmesh.decoding.sampling import SamplingParams
+from specmesh.wire.security import ClientSecurity, load_token
+from specmesh.wire.validation import MAX_SEED
 
 
 log = logging.getLogger("specmesh.coordinator")

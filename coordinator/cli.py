@@ -12,10 +12,10 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from coordinator.draft_length import DEFAULT_POLICY, POLICIES
-from specmesh import catalog
-from specmesh import config as flag_config
-from specmesh.config import add_config_argument
-from specmesh.defaults import DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL
+from specmesh.runtime import catalog
+from specmesh.ops import config as flag_config
+from specmesh.ops.config import add_config_argument
+from specmesh.runtime.catalog import DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL
 from specmesh.runtime.engine import ENGINES
 
 
@@ -105,7 +105,7 @@ def resilience_from(args: argparse.Namespace):
 
 
 def security_from(args: argparse.Namespace):
-    from specmesh.security import ClientSecurity, TlsFiles, load_token
+    from specmesh.wire.security import ClientSecurity, TlsFiles, load_token
     tls = None
     if args.tls_ca or args.tls_cert:
         tls = TlsFiles(cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca, server_name=args.tls_server_name)
@@ -140,7 +140,7 @@ def connected(args: argparse.Namespace, progress: bool) -> Iterator:
         specs.append(LocalWorkerSpec("verifier", args.target_model, args.device, args.dtype, engine=args.engine))
     if need_drafter and args.drafter is None:
         specs.append(LocalWorkerSpec("drafter", args.draft_model, args.device, args.dtype, engine=args.engine))
-    from specmesh.metrics import serve_metrics
+    from specmesh.ops.metrics import serve_metrics
     metrics_port = serve_metrics(args.metrics_port, args.metrics_host)
     if metrics_port is not None:
         print(f"METRICS http://{args.metrics_host}:{metrics_port}/metrics", file=sys.stderr, flush=True)
@@ -157,7 +157,7 @@ def generate(args: argparse.Namespace) -> int:
     # Heavy imports (torch, transformers) only for the commands that need them.
     from coordinator.api import GenerationFailed, GenerationOptions
     from coordinator.workers import WorkerError
-    from specmesh.logs import configure_logging
+    from specmesh.ops.logs import configure_logging
     try:
         configure_logging("coordinator", args.log_format, args.log_level or "WARNING")
         options = GenerationOptions(max_new_tokens=args.max_new_tokens, draft_tokens=args.draft_tokens,
@@ -204,7 +204,7 @@ def serve(args: argparse.Namespace) -> int:
 
     from coordinator.http_api import create_app
     from coordinator.workers import WorkerError
-    from specmesh.logs import configure_logging
+    from specmesh.ops.logs import configure_logging
     try:
         configure_logging("coordinator", args.log_format, args.log_level or "INFO")
         resilience_from(args), security_from(args)
@@ -312,7 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
-    # Flags also come from SPECMESH_* variables and a --config TOML file (specmesh/config.py).
+    # Flags also come from SPECMESH_* variables and a --config TOML file (specmesh/ops/config.py).
     command = argv[0] if argv else None
     if command in SCRIPT_COMMANDS:
         return run_script(command, argv[1:])

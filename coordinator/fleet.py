@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.resilience import EndpointBreaker, NoWorkerAvailable, ResilienceConfig, TransitionLog
 from coordinator.workers import RemoteWorker
-from specmesh.security import ClientSecurity
+from specmesh.wire.security import ClientSecurity
 
 log = logging.getLogger("specmesh.fleet")
 

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from coordinator.draft_length import DraftLength
-from specmesh.acceptance import Verdict
-from specmesh.sampling import SparseDist
+from specmesh.decoding.acceptance import Verdict
+from specmesh.decoding.sampling import SparseDist
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import grpc
 import pybreaker
 
-from specmesh import metrics
+from specmesh.ops import metrics
 
 log = logging.getLogger("specmesh.resilience")
 

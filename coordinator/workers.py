@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from coordinator.remote import CHANNEL_OPTIONS
-from specmesh.security import ClientSecurity, load_token
+from coordinator.channel import CHANNEL_OPTIONS
+from specmesh.wire.security import ClientSecurity, load_token
 from specmesh.v1 import specmesh_pb2 as pb
 from specmesh.v1 import specmesh_pb2_grpc as pb_grpc
 

@@ -1,8 +1,8 @@
 """`drafter serve ...`: a draft model (--method model, the default) or prompt lookup (--method ngram)."""
 
 from drafter.service import build_server
-from specmesh.defaults import DEFAULT_DRAFT_MODEL
-from specmesh.worker_cli import serve_main
+from specmesh.runtime.catalog import DEFAULT_DRAFT_MODEL
+from specmesh.worker.cli import serve_main
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,11 +7,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from specmesh.history import EMPTY_HASH, TokenHistory
+from specmesh.wire.history import EMPTY_HASH, TokenHistory
 from specmesh.runtime.engine import ModelEngine, as_engine
-from specmesh.sampling import SamplingParams, SparseDist, draft_sample
-from specmesh.rpc_contract import Cancelled
-from specmesh.sessions import SessionLimits, SessionStore, kv_sessions
+from specmesh.decoding.sampling import SamplingParams, SparseDist, draft_sample
+from specmesh.wire.contract import Cancelled
+from specmesh.worker.session_store import SessionLimits, SessionStore, kv_sessions
 
 
 @dataclass(frozen=True)

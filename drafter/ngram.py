@@ -27,15 +27,15 @@ from typing import Any
 import torch
 
 from drafter.engine import Proposal
-from specmesh import models
-from specmesh.fingerprint import tokenizer_fingerprint
-from specmesh.history import EMPTY_HASH, TokenHistory
-from specmesh.models import LoadedModel
-from specmesh.sampling import SamplingParams, SparseDist
-from specmesh.rpc_contract import Cancelled
-from specmesh.serving import WorkerConfig, WorkerServer
-from specmesh.sessions import SessionLimits, SessionStore
-from specmesh.tokenizer import load_tokenizer, tokenizer_dir
+from specmesh.runtime import models
+from specmesh.runtime.fingerprint import tokenizer_fingerprint
+from specmesh.wire.history import EMPTY_HASH, TokenHistory
+from specmesh.runtime.models import LoadedModel
+from specmesh.decoding.sampling import SamplingParams, SparseDist
+from specmesh.wire.contract import Cancelled
+from specmesh.worker.server import WorkerConfig, WorkerServer
+from specmesh.worker.session_store import SessionLimits, SessionStore
+from specmesh.runtime.tokenizer import load_tokenizer, tokenizer_dir
 
 
 DEFAULT_MIN_NGRAM = 1

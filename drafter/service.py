@@ -8,12 +8,13 @@ from contextlib import contextmanager
 from drafter.engine import DraftEngine
 from drafter.ngram import (DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, NgramConfig, NgramEngine, NgramModelInfo,
                            NgramWorkerServer)
-from specmesh import metrics
-from specmesh.models import LoadedModel
-from specmesh.serving import WorkerConfig, WorkerServer, WorkerServicerBase, rpc, serving
+from specmesh.ops import metrics
+from specmesh.runtime.models import LoadedModel
+from specmesh.worker.server import WorkerConfig, WorkerServer, WorkerServicerBase, rpc, serving
 from specmesh.v1 import specmesh_pb2 as pb
 from specmesh.v1 import specmesh_pb2_grpc as pb_grpc
-from specmesh.validation import check_context, sampling_from_wire
+from specmesh.wire.convert import dists_to_wire
+from specmesh.wire.validation import check_context, sampling_from_wire
 
 SERVICE_NAME = "specmesh.v1.Drafter"
 
@@ -36,8 +37,7 @@ class DrafterServicer(WorkerServicerBase, pb_grpc.DrafterServicer):
         metrics.DRAFT_TOKENS_PROPOSED.inc(len(proposal.tokens))
         return pb.ProposeResponse(
             tokens=list(proposal.tokens),
-            distributions=[pb.SparseDistribution(token_ids=list(d.token_ids), probs=list(d.probs))
-                           for d in proposal.dists],
+            distributions=dists_to_wire(proposal.dists),
             committed_length=proposal.committed_length)
 
 

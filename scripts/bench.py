@@ -3,7 +3,7 @@ in-process Hugging Face transformers and llama.cpp baselines, on the same prompt
 
 Phase 1 starts a verifier, a model drafter and an n-gram drafter (`drafter serve --method ngram`) as local
 subprocesses (or uses the given addresses) and, prompt by prompt, runs target-only decoding (k = 0, the baseline) then
-every specmesh mode on the SAME workers. Phase 2 stops them, loads the models in-process with specmesh.models.load_model
+every specmesh mode on the SAME workers. Phase 2 stops them, loads the models in-process with specmesh.runtime.models.load_model
 and runs `model.generate()` (target-only) and `model.generate(assistant_model=draft)` (HF assisted generation, HF's
 defaults) greedily on the same chat-templated prompt ids with the same max_new_tokens (`hf-ngram`:
 `prompt_lookup_num_tokens`). Phase 3 (GGUF targets only: catalog names and .gguf paths) loads the target's GGUF with
@@ -52,8 +52,9 @@ if str(REPO) not in sys.path:
 
 from coordinator import Coordinator, GenerationOptions  # noqa: E402
 from coordinator.workers import LocalWorkerSpec, local_workers  # noqa: E402
-from specmesh import onednn  # noqa: E402
-from specmesh.defaults import DEFAULT_DRAFT_MODEL, DEFAULT_MAX_DRAFT_TOKENS, DEFAULT_TARGET_MODEL  # noqa: E402
+from specmesh.runtime import onednn  # noqa: E402
+from specmesh.runtime.catalog import DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL  # noqa: E402
+from specmesh.wire.limits import DEFAULT_MAX_DRAFT_TOKENS  # noqa: E402
 from specmesh.runtime.engine import ENGINES, choose_engine, is_gguf_spec, llamacpp_available  # noqa: E402
 
 DEFAULT_PROMPTS = REPO / "scripts" / "bench_prompts.json"
@@ -366,7 +367,7 @@ def run_hf(args, modes: list[Mode], prompts: list[dict], prompt_ids: dict, eos_i
     import torch
     from transformers import GenerationConfig
 
-    from specmesh.models import load_model
+    from specmesh.runtime.models import load_model
 
     hf_modes = [m for m in modes if m.kind == "hf"]
     if not hf_modes:
@@ -791,7 +792,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="CPU threads: workers, HF and llama.cpp baselines alike (default: all cores)")
     parser.add_argument("--linear-backend", choices=onednn.BACKENDS, default="auto",
-                        help="CPU linear kernels, workers and HF alike (specmesh/onednn.py; default: auto)")
+                        help="CPU linear kernels, workers and HF alike (specmesh/runtime/onednn.py; default: auto)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--modes", default=DEFAULT_MODES,
                         help="comma list of target-only (or 0), adaptive, adaptive-cost, pipelined, K (fixed draft length), ngram, ngram-cost, ngram:K, "

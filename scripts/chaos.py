@@ -174,7 +174,7 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 def model_reference(model_name: str, prompts_ids: list[list[int]], max_new: int, dtype: str) -> list[list[int]]:
-    from specmesh.models import load_model
+    from specmesh.runtime.models import load_model
     from tests.helpers import reference_greedy
     loaded = load_model(model_name, device="cpu", dtype=dtype)
     return [reference_greedy(loaded.model, ids, max_new, set(loaded.eos_token_ids)) for ids in prompts_ids]

@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 
 from coordinator import Coordinator, GenerationOptions  # noqa: E402
 from coordinator.workers import LocalWorker, LocalWorkerSpec, RemoteWorker  # noqa: E402
-from specmesh.models import load_model  # noqa: E402
+from specmesh.runtime.models import load_model  # noqa: E402
 from tests.fuzz_strategies import END, PROPER, PROPOSE, VERIFY, call, send_garbage  # noqa: E402
 from tests.helpers import reference_greedy  # noqa: E402
 

@@ -31,10 +31,10 @@ if str(REPO) not in sys.path:
 
 from coordinator import Coordinator, GenerationOptions  # noqa: E402
 from coordinator.workers import LocalWorker, LocalWorkerSpec  # noqa: E402
-from specmesh.defaults import DEFAULT_TARGET_MODEL  # noqa: E402
-from specmesh.history import EMPTY_HASH, TokenHistory  # noqa: E402
+from specmesh.runtime.catalog import DEFAULT_TARGET_MODEL  # noqa: E402
+from specmesh.wire.history import EMPTY_HASH, TokenHistory  # noqa: E402
 from specmesh.runtime.engine import load_engine  # noqa: E402
-from specmesh.sampling import SamplingParams  # noqa: E402
+from specmesh.decoding.sampling import SamplingParams  # noqa: E402
 from specmesh.v1 import specmesh_pb2 as pb  # noqa: E402
 from verifier.engine import VerifyEngine  # noqa: E402
 
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--drafts", type=int, default=0, help="also time a verify of this many drafts (default: 0)")
     args = parser.parse_args(argv)
     from specmesh.runtime import model_thread
-    from specmesh.tokenizer import load_tokenizer
+    from specmesh.runtime.tokenizer import load_tokenizer
 
     model_thread.use_main_thread()  # as in a worker process: every forward on the main thread (all calls are here)
 

@@ -1,6 +1,6 @@
 import pytest
 
-from specmesh.models import load_model
+from specmesh.runtime.models import load_model
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,7 @@ import pytest
 from coordinator import Coordinator, GenerationOptions
 from coordinator.resilience import ResilienceConfig
 from coordinator.workers import RemoteWorker, free_port
-from specmesh.metrics import read_histogram
+from specmesh.ops.metrics import read_histogram
 from tests.chaos.conftest import once, running_fleet
 
 pytest.importorskip("llama_cpp")

@@ -15,8 +15,8 @@ import pytest
 
 from coordinator import Coordinator, GenerationOptions
 from coordinator.workers import LocalWorkerSpec, free_port, local_workers
-from specmesh.defaults import DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL
-from specmesh.metrics import read_histogram
+from specmesh.runtime.catalog import DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL
+from specmesh.ops.metrics import read_histogram
 
 pytestmark = pytest.mark.real_models
 

@@ -7,10 +7,10 @@ import pytest
 
 from coordinator import Coordinator, GenerationOptions
 from coordinator.api import TokenizerMismatch
-from coordinator.remote import new_session_id
+from coordinator.channel import new_session_id
 from coordinator.workers import RemoteWorker
 from drafter.service import run_server as run_drafter
-from specmesh.history import EMPTY_HASH, history_hash
+from specmesh.wire.history import EMPTY_HASH, history_hash
 from specmesh.v1 import specmesh_pb2 as pb
 from tests.helpers import reference_greedy
 from verifier.service import run_server as run_verifier

@@ -1,7 +1,7 @@
 """`verifier serve ...`"""
 
-from specmesh.defaults import DEFAULT_TARGET_MODEL
-from specmesh.worker_cli import serve_main
+from specmesh.runtime.catalog import DEFAULT_TARGET_MODEL
+from specmesh.worker.cli import serve_main
 from verifier.service import build_server
 
 

@@ -1,6 +1,6 @@
 """Verification of draft tokens in ONE target forward pass on a session's KV cache, free of gRPC.
 
-Concurrent Verify calls of different sessions are batched into one forward pass (specmesh/batched_forward.py). There
+Concurrent Verify calls of different sessions are batched into one forward pass (specmesh/runtime/batched_forward.py). There
 is no batching thread: each call queues its request, and whichever caller gets the model next runs everything queued
 so far (continuous batching). A lone session never waits. With several sessions active, a pass waits up to
 `max_batch_wait_s` for the active sessions that are not queued yet: without that, sessions whose calls come back
@@ -15,14 +15,14 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from specmesh import metrics
-from specmesh.acceptance import Verdict, decide
-from specmesh.batched_forward import MAX_BATCHED_FRESH_TOKENS, fresh_length
-from specmesh.history import EMPTY_HASH, TokenHistory
+from specmesh.ops import metrics
+from specmesh.decoding.acceptance import Verdict, decide
+from specmesh.runtime.batched_forward import MAX_BATCHED_FRESH_TOKENS, fresh_length
+from specmesh.wire.history import EMPTY_HASH, TokenHistory
 from specmesh.runtime.engine import ModelEngine, as_engine
-from specmesh.sampling import SamplingParams, SparseDist
-from specmesh.rpc_contract import Cancelled
-from specmesh.sessions import Session, SessionLimits, SessionStore, kv_sessions
+from specmesh.decoding.sampling import SamplingParams, SparseDist
+from specmesh.wire.contract import Cancelled
+from specmesh.worker.session_store import Session, SessionLimits, SessionStore, kv_sessions
 
 
 @dataclass(frozen=True)

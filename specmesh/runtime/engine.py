@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from specmesh import catalog
+from specmesh.runtime import catalog
 
 if TYPE_CHECKING:  # the coordinator reads ENGINES from here and must not pay for torch
     import torch
@@ -78,7 +78,7 @@ def choose_engine(engine: str, spec: str, device: str = "auto", dtype: str = "au
         raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
     if engine != "auto":
         return engine
-    from specmesh.devices import resolve_device
+    from specmesh.runtime.devices import resolve_device
 
     on_cpu = resolve_device(device).type == "cpu"
     wants_llamacpp = on_cpu and dtype == "auto" and is_gguf_spec(spec)
@@ -105,7 +105,7 @@ def load_engine(spec: str, engine: str = "auto", device: str = "auto", dtype: st
 
         return LlamaCppEngine.load(spec, device=device, dtype=dtype, threads=threads, max_sessions=max_sessions,
                                    context_length=context_length, progress=progress)
-    from specmesh.models import load_model
+    from specmesh.runtime.models import load_model
     from specmesh.runtime.transformers_engine import TransformersEngine
 
     return TransformersEngine(load_model(spec, device=device, dtype=dtype, linear_backend=linear_backend,

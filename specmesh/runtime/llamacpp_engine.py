@@ -26,8 +26,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specmesh import catalog
-from specmesh.kv_cache import reusable_length
+from specmesh.runtime import catalog
+from specmesh.runtime.kv_cache import reusable_length
 from specmesh.runtime.model_thread import ModelThread
 
 log = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ def _llama():
 
 def gguf_file(spec: str, progress: bool = True) -> Path:
     """The GGUF file of a catalog name (fetched and verified) or a .gguf path."""
-    from specmesh.models import gguf_source
+    from specmesh.runtime.models import gguf_source
 
     if spec in catalog.CATALOG:
         catalog.fetch(spec, progress=progress)
@@ -164,9 +164,9 @@ class LlamaCppEngine:
     @classmethod
     def load(cls, spec: str, device: str = "auto", dtype: str = "auto", threads: int | None = None,
              max_sessions: int = 64, context_length: int | None = None, progress: bool = True) -> LlamaCppEngine:
-        from specmesh.devices import resolve_device
-        from specmesh.fingerprint import tokenizer_fingerprint
-        from specmesh.tokenizer import load_tokenizer
+        from specmesh.runtime.devices import resolve_device
+        from specmesh.runtime.fingerprint import tokenizer_fingerprint
+        from specmesh.runtime.tokenizer import load_tokenizer
 
         if dtype != "auto":
             raise ValueError(f"--dtype {dtype} applies to the transformers engine; llama.cpp runs the GGUF's own "

@@ -6,11 +6,11 @@ from collections.abc import Sequence
 
 import torch
 
-from specmesh.batched_forward import batched_logits, can_batch
-from specmesh.devices import dtype_name
-from specmesh.kv_cache import CachedSequence
-from specmesh.models import LoadedModel
-from specmesh.onednn import OneDnnLinear
+from specmesh.runtime.batched_forward import batched_logits, can_batch
+from specmesh.runtime.devices import dtype_name
+from specmesh.runtime.kv_cache import CachedSequence
+from specmesh.runtime.models import LoadedModel
+from specmesh.runtime.onednn import OneDnnLinear
 from specmesh.runtime.model_thread import ModelThread
 
 

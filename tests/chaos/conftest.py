@@ -10,7 +10,7 @@ from contextlib import contextmanager
 import pytest
 
 from coordinator.workers import LocalWorker, LocalWorkerSpec
-from specmesh.models import load_model
+from specmesh.runtime.models import load_model
 from tests.helpers import reference_greedy
 
 TARGET, DRAFT = "tiny-random-qwen2", "tiny-random-qwen2-b"

@@ -8,7 +8,7 @@ import pytest
 
 from coordinator import Coordinator, GenerationOptions
 from coordinator.resilience import ResilienceConfig
-from specmesh.defaults import DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL
+from specmesh.runtime.catalog import DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL
 from tests.chaos.conftest import Fleet, once
 
 pytestmark = pytest.mark.real_models

@@ -1,0 +1,187 @@
+"""One generation's drafter and verifier sessions over worker pools: retries, failover, degradation.
+
+The verifier session is pinned to one verifier for KV-cache locality. When that verifier dies, drains (health
+NOT_SERVING) or trips its breaker, the session moves to another healthy verifier, which rebuilds its cache from the
+full token history: no token is lost, and since random numbers come from (seed, position), a retried step decides
+exactly as the failed one would have. The drafter session never fails a generation: when no drafter can answer, the
+round degrades to k = 0 (target-only decoding, same output) until a drafter's breaker half-opens and a probe succeeds.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+import tenacity
+
+from coordinator.fleet import Endpoint, WorkerPool
+from coordinator.loop import Draft
+from coordinator.channel import SyncedHistory
+from coordinator.resilience import BREAKER_FAILURES, NoWorkerAvailable, ResilienceConfig, is_retryable
+from specmesh.decoding.acceptance import Verdict
+from specmesh.decoding.sampling import SamplingParams
+from specmesh.v1 import specmesh_pb2 as pb
+from specmesh.wire.convert import dists_from_wire, dists_to_wire, sampling_to_wire
+
+log = logging.getLogger("specmesh.worker.session_store")
+
+
+@dataclass
+class FaultStats:
+    retries: int = 0          # RPC attempts repeated after a retryable error
+    failovers: int = 0        # times the verifier session moved to another verifier
+    degraded_rounds: int = 0  # rounds decoded without drafts because no drafter answered
+    resyncs: int = 0          # calls repeated with the full history because a server did not hold the session
+
+    def as_dict(self) -> dict:
+        return {"retries": self.retries, "failovers": self.failovers, "degraded_rounds": self.degraded_rounds,
+                "resyncs": self.resyncs}
+
+
+class PinnedSession:
+    """A session's link to one endpoint of a pool, moved when that endpoint becomes unusable."""
+
+    def __init__(self, pool: WorkerPool, prompt: Sequence[int], stats: FaultStats) -> None:
+        self.pool = pool
+        self.sync = SyncedHistory(prompt, stats)
+        self.endpoint: Endpoint | None = None
+        self.visited: set[str] = set()
+
+    def attach(self, avoid: Endpoint | None = None) -> Endpoint:
+        endpoint = self.pool.pick(avoid=avoid)
+        if endpoint is not self.endpoint:
+            self.detach()
+            endpoint.sessions += 1
+            self.endpoint = endpoint
+            self.visited.add(endpoint.address)
+            self.sync.server_length = 0  # a different server: it gets the full history on the next call
+        return endpoint
+
+    def current(self) -> Endpoint:
+        if self.endpoint is not None and self.endpoint.usable():
+            return self.endpoint
+        return self.attach(avoid=self.endpoint)
+
+    def detach(self) -> None:
+        if self.endpoint is not None:
+            self.endpoint.sessions -= 1
+            self.endpoint = None
+
+    def end(self, session_id: str) -> None:
+        for endpoint in self.pool.endpoints:
+            if endpoint.address in self.visited:
+                endpoint.end_session(session_id)
+        self.detach()
+
+    def begin(self, endpoint: Endpoint) -> Endpoint:
+        endpoint.breaker.begin_call()
+        return endpoint
+
+    def record(self, endpoint: Endpoint, error: grpc.RpcError | None) -> None:
+        if error is None:
+            endpoint.breaker.record_success()
+        elif error.code() in BREAKER_FAILURES:  # a bad request is the caller's fault, not the worker's
+            endpoint.breaker.record_failure()
+
+
+class FailoverTargetSession:
+    def __init__(self, pool: WorkerPool, session_id: str, prompt: Sequence[int], params: SamplingParams,
+                 seed: int, config: ResilienceConfig, stats: FaultStats) -> None:
+        self.link = PinnedSession(pool, prompt, stats)
+        self.session_id, self._params, self._seed, self._config, self.stats = session_id, params, seed, config, stats
+
+    def _verify_once(self, draft: Draft, failed: list[Endpoint]) -> pb.VerifyResponse:
+        previous = self.link.endpoint
+        try:
+            endpoint = self.link.begin(self.link.attach(avoid=failed[-1]) if failed else self.link.current())
+        except NoWorkerAvailable:
+            self.stats.retries += 1  # nothing to call right now: wait (backoff) for a verifier to come back
+            raise
+        if previous is not None and endpoint is not previous:
+            self.stats.failovers += 1
+            log.warning("session %s moves from verifier %s to %s", self.session_id[:8], previous.address,
+                        endpoint.address)
+
+        def rpc(context: pb.ContextSync) -> pb.VerifyResponse:
+            return endpoint.stub.Verify(pb.VerifyRequest(
+                session_id=self.session_id, context=context, draft_tokens=list(draft.tokens),
+                draft_distributions=dists_to_wire(draft.dists),
+                sampling=sampling_to_wire(self._params), seed=self._seed), timeout=self._config.verify_timeout_s)
+        try:
+            response = self.link.sync.call(rpc)
+        except grpc.RpcError as e:
+            self.link.record(endpoint, e)
+            if is_retryable(e):
+                failed.append(endpoint)
+                self.stats.retries += 1
+            raise
+        self.link.record(endpoint, None)
+        return response
+
+    def verify(self, draft: Draft) -> Verdict:
+        failed: list[Endpoint] = []
+        retrying = tenacity.Retrying(
+            retry=tenacity.retry_if_exception(is_retryable),
+            stop=tenacity.stop_after_delay(self._config.retry_budget_s),
+            # Doubling from backoff_initial_s, plus up to that much jitter so sessions do not retry in lockstep.
+            wait=tenacity.wait_exponential_jitter(multiplier=self._config.backoff_initial_s,
+                                                  max=self._config.backoff_max_s,
+                                                  jitter=self._config.backoff_initial_s),
+            reraise=True)
+        response = retrying(self._verify_once, draft, failed)
+        verdict = Verdict(accepted=response.accepted, next_token=response.next_token)
+        # The verifier commits the accepted drafts and its own token itself, so next round sends nothing new.
+        history = self.link.sync.history
+        history.extend([*draft.tokens[:verdict.accepted], verdict.next_token])
+        self.link.sync.server_length = len(history)
+        if response.committed_length != len(history):
+            self.link.sync.server_length = 0  # disagreement about the history: rebuild it from scratch next call
+        return verdict
+
+    def end(self) -> None:
+        self.link.end(self.session_id)
+
+
+class DegradingDraftSession:
+    def __init__(self, pool: WorkerPool, session_id: str, prompt: Sequence[int], params: SamplingParams,
+                 seed: int, config: ResilienceConfig, stats: FaultStats) -> None:
+        self.link = PinnedSession(pool, prompt, stats)
+        self.session_id, self._params, self._seed, self._config, self.stats = session_id, params, seed, config, stats
+
+    def propose(self, k: int, after: Sequence[int] = ()) -> Draft:
+        try:
+            endpoint = self.link.begin(self.link.current())
+        except NoWorkerAvailable:
+            self.stats.degraded_rounds += 1
+            return Draft()  # no drafter: this round is plain target decoding
+
+        def rpc(context: pb.ContextSync) -> pb.ProposeResponse:
+            if after:  # drafting past uncommitted tokens (pipelining): they ride along as if committed
+                context = pb.ContextSync(base_length=context.base_length, base_hash=context.base_hash,
+                                         new_tokens=[*context.new_tokens, *after])
+            return endpoint.stub.Propose(pb.ProposeRequest(
+                session_id=self.session_id, context=context, num_tokens=k,
+                sampling=sampling_to_wire(self._params), seed=self._seed), timeout=self._config.propose_timeout_s)
+        try:
+            response = self.link.sync.call(rpc)
+        except grpc.RpcError as e:
+            self.link.record(endpoint, e)
+            # Whatever went wrong (the drafter died, or cannot take this history: a smaller vocabulary or context
+            # than the target's), the generation goes on: this round is plain target decoding.
+            log.warning("drafter %s failed (%s): this round decodes without drafts", endpoint.address, e.code().name)
+            self.link.detach()
+            self.stats.degraded_rounds += 1
+            return Draft()
+        self.link.record(endpoint, None)
+        # The drafter now holds the committed history (+ `after`, which the next call's sync cuts off again if it was
+        # not committed: syncing from the committed length truncates the server's history there).
+        self.link.sync.server_length = len(self.link.sync.history)
+        return Draft(tuple(response.tokens), dists_from_wire(response.distributions))
+
+    def update(self, committed: Sequence[int]) -> None:
+        self.link.sync.history.extend(committed)
+
+    def end(self) -> None:
+        self.link.end(self.session_id)

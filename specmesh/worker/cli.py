@@ -1,0 +1,175 @@
+"""`drafter serve` / `verifier serve`: run one worker until SIGTERM or SIGINT.
+
+Prints one machine-readable line to stdout as soon as the port is bound (`LISTENING <host>:<port>`), so a parent
+process that asked for port 0 learns the real port, then loads the model while health reports NOT_SERVING.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Callable
+
+from specmesh.ops import config as flag_config
+from specmesh.runtime import onednn
+from specmesh.ops.config import add_config_argument
+from specmesh.wire.limits import DEFAULT_MAX_DRAFT_TOKENS
+from specmesh.ops.logs import configure_logging
+from specmesh.ops.metrics import serve_metrics
+from specmesh.runtime import model_thread
+from specmesh.runtime.engine import ENGINES
+from specmesh.wire.security import TlsFiles, exposure_warning, load_token
+from specmesh.worker.server import WorkerConfig, WorkerServer
+from specmesh.worker.session_store import SessionLimits
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser, default_model: str) -> None:
+    parser.add_argument("--model", default=default_model,
+                        help=f"catalog name, tiny-random-* preset, .gguf path, HF directory or hub id (default: {default_model})")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=50051, help="port to bind; 0 picks a free one (default: 50051)")
+    parser.add_argument("--device", default="auto", help="auto|cpu|cuda|cuda:N (default: auto)")
+    parser.add_argument("--dtype", default="auto", help="auto|float32|bfloat16|float16|float64 (default: auto = bf16 "
+                        "on CUDA and on CPUs with avx512_bf16/AMX, else float32)")
+    parser.add_argument("--engine", choices=ENGINES, default="auto",
+                        help="model runtime: llamacpp runs a GGUF file quantized with llama.cpp, transformers runs "
+                        "any HF model in torch (exact in float32, GPUs); auto = llamacpp for GGUF files and catalog "
+                        "models on CPU unless --dtype is given, else transformers (default: auto)")
+    parser.add_argument("--linear-backend", choices=onednn.BACKENDS, default="auto",
+                        help="CPU linear layers: onednn pre-packs the weights for oneDNN, which makes a pass over a "
+                        "few tokens (verifying k drafts, batched sessions) far cheaper than torch's default kernels; "
+                        "auto = onednn on CPU where it supports the dtype (default: auto)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU threads of the model (default: torch's choice; llama.cpp: the usable cores)")
+    parser.add_argument("--max-sessions", type=int, default=64, help="KV-cache sessions kept, LRU-evicted (default: 64)")
+    parser.add_argument("--session-ttl", type=float, default=600.0,
+                        help="seconds an idle session's KV cache is kept (default: 600)")
+    parser.add_argument("--max-draft-tokens", type=int, default=DEFAULT_MAX_DRAFT_TOKENS,
+                        help=f"largest k accepted (default: {DEFAULT_MAX_DRAFT_TOKENS})")
+    parser.add_argument("--max-context-length", type=int, default=None,
+                        help="longest token history accepted (default: the model's maximum; llama.cpp: at most "
+                        "16384, and its KV cache holds this many tokens shared by all sessions)")
+    parser.add_argument("--grace", type=float, default=10.0,
+                        help="seconds in-flight calls may finish after SIGTERM (default: 10)")
+    parser.add_argument("--inject-latency", type=float, default=0.0,
+                        help="testing: wait this many seconds before every Propose/Verify (default: 0)")
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help="serve Prometheus metrics on this port; 0 picks a free one (default: off)")
+    parser.add_argument("--metrics-host", default="127.0.0.1", help="address for --metrics-port (default: 127.0.0.1)")
+    add_logging_arguments(parser)
+    limits = parser.add_argument_group("limits")
+    limits.add_argument("--max-cache-bytes", type=int, default=None,
+                        help="KV-cache memory across sessions; least recently used sessions are evicted beyond it "
+                        "(default: unlimited)")
+    limits.add_argument("--max-message-bytes", type=int, default=4 * 1024 * 1024,
+                        help="largest request or response (default: 4 MiB)")
+    limits.add_argument("--max-concurrent-rpcs", type=int, default=64,
+                        help="calls in progress at once; more are answered RESOURCE_EXHAUSTED (default: 64)")
+    security = parser.add_argument_group("security")
+    security.add_argument("--tls-cert", help="PEM server certificate (enables TLS)")
+    security.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    security.add_argument("--tls-ca", help="PEM CA bundle: require client certificates signed by it (mutual TLS)")
+    security.add_argument("--token-file", help="file holding the bearer token every RPC must carry "
+                          "(default: $SPECMESH_TOKEN_FILE, else $SPECMESH_TOKEN, else no token)")
+
+
+def add_logging_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--log-format", choices=("auto", "json", "text"), default="auto",
+                        help="auto: JSON lines unless stderr is a terminal (default: auto)")
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default: INFO)")
+
+
+def add_drafter_arguments(parser: argparse.ArgumentParser) -> None:
+    """Drafter-only flags: how drafts are made."""
+    group = parser.add_argument_group("drafting method (drafter only)")
+    group.add_argument("--method", choices=("model", "ngram"), default="model",
+                       help="model: run the draft model --model; ngram: prompt lookup (copy what followed the latest "
+                       "earlier occurrence of the last n tokens), no weights loaded, --model then only names the "
+                       "tokenizer: give the target's (default: model)")
+    group.add_argument("--vocab-size", type=int, default=None,
+                       help="ngram: logits width reported to the coordinator (default: the --model config's "
+                       "vocab_size, else the tokenizer's size); must not exceed the verifier's")
+    group.add_argument("--ngram-max", type=int, default=None, help="ngram: longest n-gram matched (default: 3)")
+    group.add_argument("--ngram-min", type=int, default=None, help="ngram: shortest n-gram matched (default: 1)")
+
+
+def add_verifier_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("batching (verifier only)")
+    group.add_argument("--max-batch-size", type=int, default=8,
+                       help="Verify calls of different sessions that arrive while the model is busy run together in "
+                       "one forward pass of up to this many sessions; 1 turns cross-session batching off (default: 8)")
+    group.add_argument("--max-batch-wait", type=float, default=0.02,
+                       help="seconds a forward pass may wait for recently answered sessions to send their next call, "
+                       "so that they join it instead of alternating with it; 0 never waits (default: 0.02)")
+
+
+def serve_main(role: str, build_server: Callable[..., WorkerServer], default_model: str,
+               argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=role, description=f"specmesh {role} service", allow_abbrev=False)
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help=f"run the {role} gRPC service", allow_abbrev=False)
+    add_serve_arguments(serve, default_model)
+    if role == "drafter":
+        add_drafter_arguments(serve)
+    else:
+        add_verifier_arguments(serve)
+    add_config_argument(serve)
+    # Flags also come from SPECMESH_* variables and a --config TOML file (specmesh/ops/config.py).
+    known, _ = serve.parse_known_args((argv if argv is not None else sys.argv[1:])[1:])
+    flag_config.apply(serve, role, flag_config.load(known.config))
+    args = parser.parse_args(argv)
+    # Passed to build_server as keywords, so the verifier's build_server never sees drafter options.
+    options = dict(method=args.method, vocab_size=args.vocab_size, ngram_min=args.ngram_min,
+                   ngram_max=args.ngram_max) if role == "drafter" else {}
+    configure_logging(role, args.log_format, args.log_level)
+    try:
+        tls = TlsFiles(cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca) if (args.tls_cert or args.tls_ca) else None
+        token = load_token(args.token_file)
+        config = WorkerConfig(model=args.model, role=role, host=args.host, port=args.port, device=args.device,
+                              dtype=args.dtype, threads=args.threads, linear_backend=args.linear_backend,
+                              engine=args.engine,
+                              limits=SessionLimits(max_sessions=args.max_sessions, idle_ttl_s=args.session_ttl,
+                                                   max_cache_bytes=args.max_cache_bytes),
+                              max_draft_tokens=args.max_draft_tokens, max_context_length=args.max_context_length,
+                              inject_latency_s=args.inject_latency, tls=tls, token=token,
+                              max_message_bytes=args.max_message_bytes,
+                              max_concurrent_rpcs=args.max_concurrent_rpcs,
+                              max_batch_size=getattr(args, "max_batch_size", 1),
+                              max_batch_wait_s=getattr(args, "max_batch_wait", 0.0))
+        warning = exposure_warning(args.host, tls, token)
+        if warning:
+            print(warning, file=sys.stderr, flush=True)
+        server = build_server(config, **options)
+    except (ValueError, OSError) as e:
+        print(f"{role}: error: {e}", file=sys.stderr)
+        return 2
+
+    stop_requested = threading.Event()
+
+    def on_signal(signum, frame) -> None:
+        stop_requested.set()
+        # Stop from another thread: server.stop blocks for the grace period.
+        threading.Thread(target=server.stop, args=(args.grace,), daemon=True).start()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    model_thread.use_main_thread()  # every forward pass on this thread: see specmesh/runtime/model_thread.py
+    server.start()
+    print(f"LISTENING {server.address}", flush=True)
+    metrics_port = serve_metrics(args.metrics_port, args.metrics_host)
+    if metrics_port is not None:
+        print(f"METRICS http://{args.metrics_host}:{metrics_port}/metrics", flush=True)
+    try:
+        server.load()
+    except Exception as e:  # a model that cannot load is fatal for a worker: say why and exit non-zero
+        logging.getLogger(role).error("could not load model %r: %s", args.model, e)
+        server.stop(grace=0)
+        return 1
+    print(f"READY {server.address}", flush=True)
+    # Until the server has stopped (in-flight calls drained), this thread runs the engines' forward passes.
+    model_thread.serve_on_main_thread(server.terminated)
+    server.wait()
+    return 0

@@ -1,0 +1,96 @@
+"""The coordinator CLI end to end: it starts drafter and verifier subprocesses itself (tiny models, float64)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from specmesh.runtime.models import load_model
+from tests.helpers import reference_greedy
+
+TINY = ["--target-model", "tiny-random-qwen2", "--draft-model", "tiny-random-qwen2-b", "--dtype", "float64",
+        "--device", "cpu", "--no-chat"]
+
+
+def coordinator(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "coordinator", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def expected():
+    target = load_model("tiny-random-qwen2", device="cpu", dtype="float64")
+    prompt = target.tokenizer("hello world")["input_ids"]
+    return reference_greedy(target.model, prompt, 24, set(target.eos_token_ids))
+
+
+def test_generate_starts_local_workers_and_matches_target(expected):
+    run = coordinator("generate", "--prompt", "hello world", "--max-new-tokens", "24", "--json",
+                      "--draft-policy", "heuristic", *TINY)  # the heuristic always drafts
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout)
+    assert out["status"] == "ok"
+    assert out["token_ids"] == expected
+    assert out["stats"]["rounds"] < 24 or out["stats"]["acceptance_rate"] is not None
+
+
+def test_original_short_flags_are_aliases_and_prefixes_are_not_accepted(expected):
+    """The script specmesh grew from was run as `--prompt ... --max 100 --draft 4`: both are documented aliases.
+    Abbreviations are off, so a new flag can never make an old command line ambiguous."""
+    run = coordinator("generate", "--prompt", "hello world", "--max", "24", "--draft", "4", "--json", *TINY)
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout)["token_ids"] == expected
+    abbreviated = coordinator("generate", "--prompt", "hello world", "--max-new", "24", *TINY)
+    assert abbreviated.returncode == 2 and "unrecognized arguments: --max-new" in abbreviated.stderr
+
+
+def test_generate_streams_text_and_prints_summary(expected):
+    run = coordinator("generate", "--prompt", "hello world", "--max-new-tokens", "24", "--draft-tokens", "3", *TINY)
+    assert run.returncode == 0, run.stderr
+    assert "tokens/s" in run.stderr and "acceptance rate" in run.stderr and "rounds" in run.stderr
+    assert run.stdout  # the generated text, streamed
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--max-new-tokens", "-3"], "max_new_tokens"),
+    (["--temperature", "-1"], "temperature"),
+    (["--draft-tokens", "-1"], "draft_tokens"),
+])
+def test_bad_arguments_get_a_clear_message(args, message):
+    run = coordinator("generate", "--prompt", "x", *args, *TINY)
+    assert run.returncode == 2
+    assert message in run.stderr and "Traceback" not in run.stderr
+
+
+def test_unknown_model_fails_cleanly():
+    run = coordinator("generate", "--prompt", "x", "--max-new-tokens", "4", "--target-model", "tiny-random-nope",
+                      "--draft-tokens", "0", "--device", "cpu")
+    assert run.returncode == 1
+    assert "tiny-random-nope" in run.stderr
+
+
+def test_models_list_names_the_catalog():
+    run = coordinator("models", "list")
+    assert run.returncode == 0
+    for name in ("qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct", "smollm2-135m-instruct"):
+        assert name in run.stdout
+
+
+def test_models_pull_unknown_name():
+    run = coordinator("models", "pull", "no-such-model")
+    assert run.returncode == 2 and "unknown model" in run.stderr
+
+
+def test_the_coordinator_imports_no_server_code():
+    """A client depends on the wire contract, the decoding math and a tokenizer: never on the worker server, the
+    model engines or llama.cpp (specmesh.worker.server pulls in the engines and the gRPC server)."""
+    code = ("import sys, coordinator.api, coordinator.cli, coordinator.http_api; "
+            "print(sorted(m for m in sys.modules if m.startswith(('specmesh.worker.server', 'specmesh.worker.session_store', "
+            "'specmesh.runtime.llamacpp', 'specmesh.runtime.transformers', 'specmesh.runtime.batched_forward', "
+            "'llama_cpp', 'verifier', 'drafter'))))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "[]"

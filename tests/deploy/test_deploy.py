@@ -1,0 +1,582 @@
+"""deploy/: Dockerfiles, docker-compose and Kubernetes manifests, validated offline (no Docker engine, no cluster, no
+network).
+
+* Every Kubernetes object is validated against the Kubernetes OpenAPI schemas shipped by `kubernetes-validate`
+  (strict: unknown fields are errors), for the oldest Kubernetes version we support and the newest the package ships.
+* Every command line (compose `command`, Dockerfile ENTRYPOINT + CMD, Kubernetes container args) goes through the real
+  CLI: each flag must appear in `<module> <subcommand> --help`, and the whole line must parse with the real argument
+  parser. Both run in-process through the same `main(argv)` that `python -m <module>` calls (a subprocess would spend
+  ~15 s importing torch per command; this test process has it imported already).
+* Cross-references: Service selectors and target ports, probe ports, the coordinator's DNS targets, HPA target,
+  volumes, the token Secret, the models pulled vs. served, the torch pin vs. pyproject.toml.
+* The compose healthchecks run for real against a live tiny worker (SERVING -> 0, NOT_SERVING -> 1, down -> 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import importlib
+import io
+import json
+import re
+import shlex
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+from specmesh.runtime import catalog
+from specmesh.runtime.catalog import DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL
+
+REPO = Path(__file__).resolve().parents[2]
+DEPLOY = REPO / "deploy"
+K8S = DEPLOY / "kubernetes"
+MANIFESTS = K8S / "manifests"
+SECRET_EXAMPLE = K8S / "secret-token.example.yaml"
+COMPOSE_FILES = [DEPLOY / "docker-compose.yml", DEPLOY / "docker-compose.gpu.yml"]
+DOCKERFILES = [DEPLOY / "Dockerfile", DEPLOY / "Dockerfile.cuda"]
+
+NAMESPACE = "specmesh"
+# Oldest Kubernetes we support (native gRPC probes are GA since 1.27, autoscaling/v2 since 1.23) and the newest
+# schema set kubernetes-validate ships (catches APIs removed since).
+OLDEST_K8S = "1.30"
+NON_ROOT_UID = 10001
+WORKER_PORTS = {"drafter": 50051, "verifier": 50052}
+
+
+# ---------------------------------------------------------------------------------------------------------- loading
+
+def load_yaml_docs(path: Path) -> list[dict]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+@functools.cache
+def k8s_objects() -> tuple[tuple[str, dict], ...]:
+    """(file name, object) for every object in manifests/ (what kustomization.yaml applies)."""
+    return tuple((path.name, doc) for path in sorted(MANIFESTS.glob("*.yaml")) for doc in load_yaml_docs(path))
+
+
+def k8s_object(kind: str, name: str) -> dict:
+    hits = [o for _, o in k8s_objects() if o["kind"] == kind and o["metadata"]["name"] == name]
+    assert len(hits) == 1, f"expected exactly one {kind}/{name} in {MANIFESTS}, found {len(hits)}"
+    return hits[0]
+
+
+def deployments() -> list[dict]:
+    return [o for _, o in k8s_objects() if o["kind"] == "Deployment"]
+
+
+def pod_containers(deployment: dict) -> list[dict]:
+    spec = deployment["spec"]["template"]["spec"]
+    return [*spec.get("initContainers", []), *spec["containers"]]
+
+
+def main_container(deployment: dict) -> dict:
+    containers = deployment["spec"]["template"]["spec"]["containers"]
+    assert len(containers) == 1, f"{deployment['metadata']['name']}: expected one container"
+    return containers[0]
+
+
+@functools.cache
+def compose(path: Path) -> dict:
+    return yaml.safe_load(path.read_text())
+
+
+def parse_dockerfile(path: Path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with line continuations joined, comments dropped, ARG defaults substituted."""
+    lines: list[str] = []
+    pending = ""
+    for raw in path.read_text().splitlines():
+        stripped = raw.strip()
+        if not pending and (not stripped or stripped.startswith("#")):
+            continue
+        if stripped.startswith("#"):  # a comment inside a continued instruction
+            continue
+        if stripped.endswith("\\"):
+            pending += stripped[:-1] + " "
+            continue
+        lines.append(pending + stripped)
+        pending = ""
+    assert not pending, f"{path.name}: dangling line continuation"
+    args: dict[str, str] = {}
+    out = []
+    for line in lines:
+        instruction, _, rest = line.partition(" ")
+        instruction = instruction.upper()
+        if instruction == "ARG" and "=" in rest:
+            key, _, value = rest.partition("=")
+            args[key.strip()] = value.strip()
+        rest = re.sub(r"\$\{(\w+)\}", lambda m: args.get(m.group(1), m.group(0)), rest)
+        out.append((instruction, rest.strip()))
+    return out
+
+
+def dockerfile_exec_form(path: Path, instruction: str) -> list[str]:
+    values = [rest for ins, rest in parse_dockerfile(path) if ins == instruction]
+    assert values, f"{path.name} has no {instruction}"
+    value = json.loads(values[-1])  # exec form: a JSON array, so signals reach python directly
+    assert isinstance(value, list) and all(isinstance(v, str) for v in value), f"{path.name}: {instruction} exec form"
+    return value
+
+
+# ------------------------------------------------------------------------------------------------- the real CLIs
+
+@functools.cache
+def cli_mains() -> dict[str, str]:
+    """`python -m NAME` modules -> their `module:function` entry point, from pyproject's [project.scripts]."""
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    for name in scripts:
+        assert (REPO / name / "__main__.py").is_file(), f"`python -m {name}` needs {name}/__main__.py"
+    return scripts
+
+
+def run_main(module: str, argv: list[str]) -> tuple[int, str, str]:
+    """Run the CLI's `main(argv)` in-process: (exit status, stdout, stderr). For --help and parse errors only: a
+    command that would really run is stopped by `parse_only`."""
+    target = cli_mains()[module]
+    mod_name, _, func = target.partition(":")
+    main = getattr(importlib.import_module(mod_name), func)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            status = main(argv)
+        except SystemExit as e:
+            status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    return status, out.getvalue(), err.getvalue()
+
+
+@functools.cache
+def cli_help(module: str, path: tuple[str, ...]) -> str | None:
+    """`<module> <path...> --help`, or None if that (sub)command does not exist."""
+    status, out, _ = run_main(module, [*path, "--help"])
+    return out if status == 0 else None
+
+
+def help_subcommands(help_text: str) -> set[str]:
+    usage = help_text.split("\n\n", 1)[0]
+    return {name for group in re.findall(r"\{([\w,-]+)\}", usage) for name in group.split(",")}
+
+
+def help_flags(help_text: str) -> set[str]:
+    """Option strings from the option lines of argparse help ("  -h, --help", "  --port PORT   ...")."""
+    flags = set()
+    for invocation in re.findall(r"^ {2,4}(-\S.*?)(?: {2,}|$)", help_text, re.M):
+        flags.update(re.findall(r"(?<![\w-])--?[A-Za-z0-9][\w-]*", invocation))
+    return flags
+
+
+class _Parsed(Exception):
+    def __init__(self, namespace: argparse.Namespace, extras: list[str]) -> None:
+        self.namespace, self.extras = namespace, extras
+
+
+def split_command(argv: list[str]) -> tuple[str, tuple[str, ...], list[str]]:
+    """(module, subcommand path, the rest) for a `python -m` argv such as [verifier, serve, --port, 50052]."""
+    module, *rest = argv
+    assert module in cli_mains(), f"{argv}: the image's ENTRYPOINT is `python -m`, so the first word must be one " \
+        f"of {sorted(cli_mains())}"
+    path: list[str] = []
+    while rest:
+        text = cli_help(module, tuple(path))
+        if text is None or rest[0] not in help_subcommands(text):
+            break
+        path.append(rest.pop(0))
+    return module, tuple(path), rest
+
+
+def check_command(argv: list[str], where: str, monkeypatch) -> argparse.Namespace:
+    """Assert every flag of `argv` is in the real `--help`, then parse it with the real parser; return the result.
+
+    Skips a command that does not exist yet (`coordinator serve` is being added concurrently)."""
+    module, path, rest = split_command(argv)
+    shown = f"{module} {' '.join(path)}".strip()
+    text = cli_help(module, path)
+    assert text is not None, f"{where}: `{shown} --help` failed"
+    if not path and help_subcommands(text) and rest and not rest[0].startswith("-"):
+        pytest.skip(f"{where}: `{module} {rest[0]}` does not exist in this checkout yet (subcommands: "
+                    f"{sorted(help_subcommands(text))}); its flags cannot be checked until it lands")
+    flags = help_flags(text)
+    unknown = [t.split("=", 1)[0] for t in rest if t.startswith("-") and t.split("=", 1)[0] not in flags]
+    assert not unknown, f"{where}: `{shown}` has no flag(s) {unknown}; `{shown} --help` lists {sorted(flags)}"
+    if "-h" in rest or "--help" in rest:
+        return argparse.Namespace()
+
+    # Stop right after the top-level parser (prog without a space; subcommand parsers are "prog sub") has parsed
+    # everything: parse_args, parse_intermixed_args and the CLI's own pre-parse of the --config flag all go through
+    # parse_known_args. Nothing after parsing runs: no server starts.
+    original = argparse.ArgumentParser.parse_known_args
+
+    def parse_only(self, args=None, namespace=None):
+        result = original(self, args, namespace)
+        if " " not in self.prog:
+            raise _Parsed(*result)
+        return result
+
+    with monkeypatch.context() as m:
+        m.setattr(argparse.ArgumentParser, "parse_known_args", parse_only)
+        try:
+            status, _, err = run_main(module, list(argv[1:]))
+        except _Parsed as parsed:
+            assert not parsed.extras, f"{where}: `{shown}` does not accept {parsed.extras}"
+            return parsed.namespace
+    pytest.fail(f"{where}: the real `{module}` parser rejected {shlex.join(argv)} (exit {status}): {err.strip()}")
+
+
+def all_command_lines() -> list[tuple[str, list[str]]]:
+    """(where, python -m argv) for every command line in deploy/."""
+    lines = []
+    for path in DOCKERFILES:
+        lines.append((f"{path.name} CMD", dockerfile_exec_form(path, "CMD")))
+    for path in COMPOSE_FILES:
+        for name, service in compose(path)["services"].items():
+            if "command" in service:
+                lines.append((f"{path.name} service {name}", service["command"]))
+    for file, obj in k8s_objects():
+        if obj["kind"] == "Deployment":
+            for c in pod_containers(obj):
+                lines.append((f"{file} {obj['metadata']['name']}/{c['name']}", c["args"]))
+    return lines
+
+
+COMMAND_LINES = all_command_lines()
+
+
+@pytest.mark.timeout(120)  # a parse that no longer stops (see check_command) would start a server: fail, not hang
+@pytest.mark.parametrize("where,argv", COMMAND_LINES, ids=[w for w, _ in COMMAND_LINES])
+def test_command_lines_use_real_cli_flags(where, argv, monkeypatch):
+    assert isinstance(argv, list) and all(isinstance(a, str) for a in argv), \
+        f"{where}: use the exec form, a list of strings (ports quoted in YAML): {argv!r}"
+    args = check_command(argv, where, monkeypatch)
+    if getattr(args, "command", None) == "serve" and argv[0] in WORKER_PORTS:
+        assert args.model in catalog.CATALOG, f"{where}: --model {args.model!r} is not a catalog model"
+        assert args.host == "0.0.0.0", f"{where}: a containerised worker must bind 0.0.0.0, not {args.host}"
+        assert args.port == WORKER_PORTS[argv[0]], f"{where}: {argv[0]} port {args.port}"
+    if getattr(args, "models_command", None) == "pull":
+        assert set(args.name) <= set(catalog.CATALOG), f"{where}: unknown models {args.name}"
+
+
+def test_cli_help_is_available_for_every_role():
+    for module in ("verifier", "drafter"):
+        text = cli_help(module, ("serve",))
+        assert text is not None and "--model" in help_flags(text) and "--token-file" in help_flags(text)
+    assert "pull" in help_subcommands(cli_help("coordinator", ("models",)))
+
+
+# ------------------------------------------------------------------------------------------------------ Dockerfiles
+
+def test_dockerfiles():
+    torch_pin = next(d for d in tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+                     if d.replace(" ", "").startswith("torch=="))
+    for path in DOCKERFILES:
+        instructions = parse_dockerfile(path)
+        text = " ".join(f"{i} {r}" for i, r in instructions)
+        froms = [r.split()[0] for i, r in instructions if i == "FROM"]
+        if path.name == "Dockerfile":
+            assert froms and all(f.startswith("python:3.11-slim") for f in froms), f"{path.name}: FROM {froms}"
+            assert "--index-url https://download.pytorch.org/whl/cpu" in text, f"{path.name}: CPU torch index"
+        else:
+            assert froms and all(f.startswith("nvidia/cuda:") for f in froms), f"{path.name}: FROM {froms}"
+        # The same torch as pyproject.toml, installed before the project so pip keeps that build.
+        assert re.search(rf'pip install "?{re.escape(torch_pin)}"?\s', text), \
+            f"{path.name}: does not install {torch_pin} (pyproject.toml's pin)"
+        assert text.index(torch_pin) < text.index("pip install ."), f"{path.name}: torch must come before the project"
+        users = [r for i, r in instructions if i == "USER"]
+        assert users and users[-1].split(":")[0] == str(NON_ROOT_UID), f"{path.name}: must end as USER {NON_ROOT_UID}"
+        assert dockerfile_exec_form(path, "ENTRYPOINT") == ["python", "-m"], path.name
+        envs = " ".join(r for i, r in instructions if i == "ENV")
+        assert "SPECMESH_CACHE_DIR=/cache" in envs, f"{path.name}: model cache must be /cache"
+        # COPY sources exist in the build context (the repository root) and survive the .dockerignore.
+        ignore = (DEPLOY / f"{path.name}.dockerignore").read_text().split()
+        for ins, rest in instructions:
+            if ins == "COPY" and not rest.startswith("--from"):
+                for src in rest.split()[:-1]:
+                    assert (REPO / src).exists(), f"{path.name}: COPY {src}: not in the repository"
+                    assert f"!{src}" in ignore or f"!{src}/" in ignore, f"{path.name}.dockerignore excludes {src}"
+
+
+# --------------------------------------------------------------------------------------------------- docker compose
+
+def test_compose_fleet():
+    spec = compose(DEPLOY / "docker-compose.yml")
+    services = spec["services"]
+    roles = {name: s["command"][0] for name, s in services.items()}
+    subcommands = {name: s["command"][1] for name, s in services.items()}
+    drafters = [n for n in services if roles[n] == "drafter"]
+    verifiers = [n for n in services if roles[n] == "verifier"]
+    coordinators = [n for n in services if roles[n] == "coordinator" and subcommands[n] == "serve"]
+    assert len(drafters) == 1 and len(verifiers) == 2 and len(coordinators) == 1, roles
+
+    for name, service in services.items():
+        assert "model-cache:/cache" in service["volumes"], f"{name}: shared model cache volume at /cache"
+        token = service["environment"]["SPECMESH_TOKEN"]
+        assert token.startswith("${SPECMESH_TOKEN"), f"{name}: the token must come from the environment, not the file"
+        for dep, cond in service.get("depends_on", {}).items():
+            assert dep in services, f"{name} depends on unknown service {dep}"
+    assert "model-cache" in spec["volumes"]
+
+    # One-shot pull of every model the workers serve, awaited by the workers.
+    pulls = [s for s in services.values() if s["command"][:3] == ["coordinator", "models", "pull"]]
+    assert len(pulls) == 1
+    pulled = set(pulls[0]["command"][3:])
+    for name in drafters + verifiers:
+        command = services[name]["command"]
+        assert command[command.index("--model") + 1] in pulled, f"{name}: model not pulled by the models service"
+        assert services[name]["depends_on"]["models"]["condition"] == "service_completed_successfully"
+        port = command[command.index("--port") + 1]
+        test = services[name]["healthcheck"]["test"]
+        assert test[:3] == ["CMD", "python", "-c"] and f"127.0.0.1:{port}'" in test[3], \
+            f"{name}: healthcheck must probe its own port {port}"
+
+    coordinator = services[coordinators[0]]
+    command = coordinator["command"]
+    assert "127.0.0.1:8000:8000" in coordinator["ports"]
+    assert command[command.index("--port") + 1] == "8000"
+    targets = {(flag, command[i + 1]) for i, flag in enumerate(command) if flag in ("--verifier", "--drafter")}
+    expected = {("--verifier", f"{n}:50052") for n in verifiers} | {("--drafter", f"{n}:50051") for n in drafters}
+    assert targets == expected, "the coordinator must reach every worker service on its port"
+    for name in drafters + verifiers:
+        assert coordinator["depends_on"][name]["condition"] == "service_healthy"
+    compile(coordinator["healthcheck"]["test"][3], "coordinator healthcheck", "exec")
+
+
+def test_compose_gpu_override():
+    base = compose(DEPLOY / "docker-compose.yml")["services"]
+    override = compose(DEPLOY / "docker-compose.gpu.yml")["services"]
+    assert set(override) <= set(base)
+    for name, service in override.items():
+        assert service["build"]["dockerfile"] == "deploy/Dockerfile.cuda"
+        command = service["command"]
+        assert command[command.index("--device") + 1] == "cuda"
+        # Same role, model and port as the service it overrides: only the device differs.
+        assert [a for a in command if a != "cuda"] == [a for a in base[name]["command"] if a != "cpu"]
+        devices = service["deploy"]["resources"]["reservations"]["devices"]
+        assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
+
+
+def worker_healthchecks() -> dict[str, str]:
+    services = compose(DEPLOY / "docker-compose.yml")["services"]
+    return {name: s["healthcheck"]["test"][3] for name, s in services.items()
+            if s["command"][0] in WORKER_PORTS}
+
+
+def run_healthcheck(code: str, port: int) -> subprocess.CompletedProcess:
+    code = re.sub(r"127\.0\.0\.1:(\d+|PORT)", f"127.0.0.1:{port}", code)
+    # `python` in the image is the venv's; here the same venv's interpreter.
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+
+
+def test_compose_worker_healthchecks_against_a_live_worker(tiny_target):
+    from grpc_health.v1 import health_pb2
+    from verifier.service import run_server
+
+    checks = set(re.sub(r"127\.0\.0\.1:\d+", "127.0.0.1:PORT", c) for c in worker_healthchecks().values())
+    assert len(checks) == 1, "drafter and verifier healthchecks should differ only in the port"
+    code = checks.pop()
+    with run_server(tiny_target, port=0) as server:
+        ok = run_healthcheck(code, server.port)
+        assert ok.returncode == 0, f"healthcheck failed against a SERVING worker: {ok.stderr}"
+        server.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)  # as while loading or draining
+        try:
+            loading = run_healthcheck(code, server.port)
+        finally:
+            server.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        assert loading.returncode != 0, "healthcheck passed a NOT_SERVING worker"
+        port = server.port
+    down = run_healthcheck(code, port)
+    assert down.returncode != 0, "healthcheck passed with no worker listening"
+
+
+# ------------------------------------------------------------------------------------------------------- Kubernetes
+
+def kubernetes_versions() -> list[str]:
+    kv = pytest.importorskip("kubernetes_validate.utils",
+                             reason="kubernetes-validate (a [test] extra) is not installed")
+    newest = kv.major_minor(kv.latest_version())
+    shipped = {kv.major_minor(v) for v in kv.all_versions()}
+    assert OLDEST_K8S in shipped, f"kubernetes-validate no longer ships {OLDEST_K8S} schemas: {sorted(shipped)}"
+    return sorted({OLDEST_K8S, newest})
+
+
+def test_kubernetes_manifests_validate_against_schemas():
+    kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate (a [test] extra) is not installed")
+    objects = [*k8s_objects(), *((SECRET_EXAMPLE.name, o) for o in load_yaml_docs(SECRET_EXAMPLE))]
+    assert objects
+    errors = []
+    for version in kubernetes_versions():
+        for file, obj in objects:
+            try:
+                kv.validate(obj, version, strict=True)
+            except kv.ValidationError as e:
+                where = ".".join(str(p) for p in e.path)
+                errors.append(f"{file} {obj['kind']}/{obj['metadata']['name']} (k8s {version}) at {where}: {e.message}")
+            except kv.SchemaNotFoundError as e:
+                errors.append(f"{file}: {e.message}")
+    assert not errors, "\n".join(errors)
+
+
+def test_kustomization_applies_every_manifest_in_one_namespace():
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    assert kustomization["namespace"] == NAMESPACE
+    listed = {Path(r).name for r in kustomization["resources"]}
+    assert listed == {p.name for p in MANIFESTS.glob("*.yaml")}, "kustomization.yaml resources != manifests/*.yaml"
+    assert all((K8S / r).is_file() for r in kustomization["resources"])
+    # `kubectl apply -f manifests/` goes alphabetically: the Namespace must come first.
+    assert sorted(MANIFESTS.glob("*.yaml"))[0].name.startswith("00-")
+    assert [o["kind"] for o in load_yaml_docs(sorted(MANIFESTS.glob("*.yaml"))[0])] == ["Namespace"]
+    for file, obj in k8s_objects():
+        if obj["kind"] == "Namespace":
+            assert obj["metadata"]["name"] == NAMESPACE
+        else:
+            assert obj["metadata"].get("namespace") == NAMESPACE, f"{file} {obj['kind']}: namespace {NAMESPACE}"
+
+
+def test_services_select_deployments_and_their_ports():
+    for _, svc in k8s_objects():
+        if svc["kind"] != "Service":
+            continue
+        selector = svc["spec"]["selector"]
+        matches = [d for d in deployments() if selector.items() <= d["spec"]["template"]["metadata"]["labels"].items()]
+        assert len(matches) == 1, f"Service {svc['metadata']['name']} selects {len(matches)} Deployments"
+        ports = {p["name"]: p["containerPort"] for p in main_container(matches[0])["ports"]}
+        for port in svc["spec"]["ports"]:
+            assert ports.get(port["targetPort"]) == port["port"], \
+                f"Service {svc['metadata']['name']}: targetPort {port['targetPort']} != container port {port['port']}"
+    for d in deployments():
+        assert d["spec"]["selector"]["matchLabels"].items() <= d["spec"]["template"]["metadata"]["labels"].items()
+
+
+def worker_arg(container: dict, flag: str) -> str:
+    args = container["args"]
+    return args[args.index(flag) + 1]
+
+
+@pytest.mark.parametrize("role", sorted(WORKER_PORTS))
+def test_worker_deployments(role):
+    deployment = k8s_object("Deployment", role)
+    container = main_container(deployment)
+    port = WORKER_PORTS[role]
+    assert container["image"].startswith("specmesh-cuda:")
+    assert int(worker_arg(container, "--port")) == port
+    assert worker_arg(container, "--device") == "cuda"
+    assert {p["name"]: p["containerPort"] for p in container["ports"]}["grpc"] == port
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    # Kubernetes' native gRPC probes on the worker's port; the startup probe covers a first model load.
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["grpc"] == {"port": port}, f"{role} {probe}"
+    startup = container["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 600, f"{role}: startup probe under 10 min"
+    grace = float(worker_arg(container, "--grace"))
+    assert deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > grace
+    # The model pulled by the init container is the model served.
+    model = worker_arg(container, "--model")
+    assert model == {"drafter": DEFAULT_DRAFT_MODEL, "verifier": DEFAULT_TARGET_MODEL}[role]
+    init = deployment["spec"]["template"]["spec"]["initContainers"]
+    assert [c["args"] for c in init] == [["coordinator", "models", "pull", model]]
+    # Reached through a headless Service.
+    svc = k8s_object("Service", f"{role}-headless")
+    assert svc["spec"]["clusterIP"] == "None"
+
+
+def test_verifier_autoscaler():
+    hpa = k8s_object("HorizontalPodAutoscaler", "verifier")
+    assert hpa["apiVersion"] == "autoscaling/v2"
+    target = hpa["spec"]["scaleTargetRef"]
+    assert target == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "verifier"}
+    assert "replicas" not in k8s_object("Deployment", "verifier")["spec"], "the HPA owns the verifier count"
+    assert 2 <= hpa["spec"]["minReplicas"] <= hpa["spec"]["maxReplicas"]
+    pdb = k8s_object("PodDisruptionBudget", "verifier")
+    assert pdb["spec"]["minAvailable"] < hpa["spec"]["minReplicas"]
+
+
+def test_coordinator_deployment():
+    deployment = k8s_object("Deployment", "coordinator")
+    container = main_container(deployment)
+    args = container["args"]
+    assert args[:2] == ["coordinator", "serve"]
+    assert container["image"].startswith("specmesh:")
+    # --verifier / --drafter name the headless Services, in this namespace, on the workers' ports.
+    for role, port in WORKER_PORTS.items():
+        svc = k8s_object("Service", f"{role}-headless")
+        assert worker_arg(container, f"--{role}") == \
+            f"dns:///{svc['metadata']['name']}.{NAMESPACE}.svc.cluster.local:{svc['spec']['ports'][0]['port']}"
+        assert svc["spec"]["ports"][0]["port"] == port
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"http": int(worker_arg(container, "--port")), "metrics": 9100}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    svc = k8s_object("Service", "coordinator")
+    assert {p["name"]: p["port"] for p in svc["spec"]["ports"]} == ports
+    init = deployment["spec"]["template"]["spec"]["initContainers"]
+    # The coordinator loads the target's tokenizer from the cache.
+    assert [c["args"] for c in init] == [["coordinator", "models", "pull", DEFAULT_TARGET_MODEL]]
+
+
+@pytest.mark.parametrize("name", ["coordinator", "drafter", "verifier"])
+def test_prometheus_scraping(name):
+    deployment = k8s_object("Deployment", name)
+    container = main_container(deployment)
+    port = int(worker_arg(container, "--metrics-port"))
+    # Reachable from Prometheus: not the 127.0.0.1 default.
+    assert worker_arg(container, "--metrics-host") == "0.0.0.0"
+    assert {p["name"]: p["containerPort"] for p in container["ports"]}["metrics"] == port
+    annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+    assert annotations == {"prometheus.io/scrape": "true", "prometheus.io/port": str(port),
+                           "prometheus.io/path": "/metrics"}
+
+
+def test_environment_variables_are_not_mistaken_for_flags():
+    """Every SPECMESH_<FLAG> environment variable sets a flag (specmesh/ops/config.py), so Kubernetes' Docker-link
+    variables must stay off (a Service named `specmesh` would inject SPECMESH_PORT=tcp://...) and the variables we set
+    must be the documented ones."""
+    allowed = {"SPECMESH_TOKEN", "SPECMESH_TOKEN_FILE", "SPECMESH_CACHE_DIR"}
+    for d in deployments():
+        pod = d["spec"]["template"]["spec"]
+        assert pod.get("enableServiceLinks") is False, f"{d['metadata']['name']}: set enableServiceLinks: false"
+        for c in pod_containers(d):
+            names = {e["name"] for e in c.get("env", [])}
+            assert names <= allowed, f"{d['metadata']['name']}/{c['name']}: unexpected environment {names - allowed}"
+    for name, service in compose(DEPLOY / "docker-compose.yml")["services"].items():
+        assert set(service["environment"]) <= allowed, name
+    for path in DOCKERFILES:
+        envs = " ".join(r for i, r in parse_dockerfile(path) if i == "ENV")
+        assert set(re.findall(r"\bSPECMESH_\w+", envs)) <= allowed, path.name
+
+
+def test_pods_share_cache_token_and_run_as_non_root():
+    secret = load_yaml_docs(SECRET_EXAMPLE)
+    assert [s["kind"] for s in secret] == ["Secret"]
+    secret_name = secret[0]["metadata"]["name"]
+    (token_key,) = secret[0]["stringData"]
+    assert "REPLACE" in secret[0]["stringData"][token_key], "the example must hold an obvious placeholder"
+    assert not any(o["kind"] == "Secret" for _, o in k8s_objects()), "never apply a token Secret from a template"
+    pvcs = {o["metadata"]["name"] for _, o in k8s_objects() if o["kind"] == "PersistentVolumeClaim"}
+    for d in deployments():
+        name = d["metadata"]["name"]
+        pod = d["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["runAsUser"] == NON_ROOT_UID == pod["securityContext"]["fsGroup"]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes["model-cache"]["persistentVolumeClaim"]["claimName"] in pvcs
+        assert volumes["token"]["secret"]["secretName"] == secret_name
+        assert volumes["token"]["secret"]["defaultMode"] == 0o440, "owner root, group fsGroup: group-readable only"
+        for c in pod_containers(d):
+            mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+            assert mounts["model-cache"] == "/cache", f"{name}/{c['name']}: cache at $SPECMESH_CACHE_DIR"
+            assert c["securityContext"]["allowPrivilegeEscalation"] is False
+            assert "command" not in c, f"{name}/{c['name']}: keep the image's `python -m` ENTRYPOINT; use args"
+        container = main_container(d)
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+        assert env["SPECMESH_TOKEN_FILE"] == f"{mounts['token']}/{token_key}", f"{name}: token file path"
+
+
+def test_deploy_readme_covers_every_file():
+    readme = (DEPLOY / "README.md").read_text()
+    for path in sorted(DEPLOY.rglob("*")):
+        if path.is_file() and path != DEPLOY / "README.md" and not path.name.endswith(".dockerignore"):
+            assert path.name in readme, f"deploy/README.md does not mention {path.relative_to(DEPLOY)}"
+    assert "no docker engine" in readme.lower()

@@ -1,0 +1,209 @@
+"""Cross-session batching: several sessions' verifications in one target forward pass, each with its own KV cache,
+must compute what each would compute alone (tiny float64 models, so agreement is to rounding)."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from contextlib import contextmanager
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from coordinator import Coordinator, GenerationOptions
+from drafter.service import run_server as run_drafter
+from specmesh.ops import metrics
+from specmesh.runtime.batched_forward import MAX_BATCHED_FRESH_TOKENS, batched_logits, can_batch
+from specmesh.wire.history import EMPTY_HASH, ResyncRequired, history_hash
+from specmesh.runtime.kv_cache import CachedSequence
+from specmesh.decoding.sampling import SamplingParams
+from specmesh.wire.contract import Cancelled
+from tests.helpers import reference_greedy
+from verifier.engine import VerifyEngine
+from verifier.service import run_server as run_verifier
+
+
+def batched_passes_of_at_least(size: int) -> float:
+    """Forward passes so far (this process) that verified `size` or more sessions, from the metric's histogram."""
+    cumulative = {float(s.labels["le"]): s.value for family in metrics.VERIFY_BATCH_SIZE.collect()
+                  for s in family.samples if s.name.endswith("_bucket")}
+    below = [bound for bound in cumulative if bound < size]
+    return cumulative[float("inf")] - (cumulative[max(below)] if below else 0.0)
+
+
+@pytest.mark.parametrize("model_fixture", ["tiny_target", "tiny_other_tokenizer"])
+def test_batched_logits_equal_one_row_at_a_time(model_fixture, request):
+    model = request.getfixturevalue(model_fixture).model
+    assert can_batch(model)
+    rng = random.Random(7)
+    vocab = model.config.vocab_size
+    batched = [CachedSequence(model) for _ in range(4)]
+    alone = [CachedSequence(model) for _ in range(4)]
+    histories = [[rng.randrange(vocab) for _ in range(rng.randrange(3, 20))] for _ in range(4)]
+    for step in range(6):
+        requests, last_ns = [], []
+        for history in histories:
+            k = rng.randrange(0, 6)  # differing fresh lengths, including none but the bonus position
+            requests.append(history + [rng.randrange(vocab) for _ in range(k)])
+            last_ns.append(k + 1)
+        got = batched_logits(model, batched, requests, last_ns)
+        want = [s.logits_for(r, n) for s, r, n in zip(alone, requests, last_ns)]
+        for g, w in zip(got, want):
+            assert g.shape == w.shape
+            torch.testing.assert_close(g, w, rtol=0, atol=1e-10)
+        assert [s.cached_tokens for s in batched] == [s.cached_tokens for s in alone]
+        for i, (history, request_tokens, last_n) in enumerate(zip(histories, requests, last_ns)):
+            keep = len(history) + rng.randrange(0, last_n)  # reject some drafts: explicit rollback per row
+            histories[i] = request_tokens[:keep] + [rng.randrange(vocab)]
+            batched[i].rollback(keep)
+            alone[i].rollback(keep)
+        if step == 3:  # a brand-new session (empty cache) joins rows with long caches
+            batched[0], alone[0] = CachedSequence(model), CachedSequence(model)
+
+
+def test_batched_logits_refuses_a_sequence_twice(tiny_target):
+    sequence = CachedSequence(tiny_target.model)
+    with pytest.raises(ValueError, match="only once"):
+        batched_logits(tiny_target.model, [sequence, sequence], [[1, 2], [1, 2]], [1, 1])
+
+
+def queued_together(engine: VerifyEngine, calls: list[tuple]) -> list:
+    """Run `calls` (verify arguments) from threads while the model is held, so that all of them queue up and the
+    next forward pass takes them together. Returns each call's outcome or exception."""
+    results: list = [None] * len(calls)
+
+    def call(i: int) -> None:
+        try:
+            results[i] = engine.verify(*calls[i])
+        except Exception as e:  # the test inspects it
+            results[i] = e
+
+    with engine._model_lock:
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(len(calls))]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 10
+        while len(engine._queue) < len(calls) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert len(engine._queue) == len(calls)
+    for t in threads:
+        t.join(30)
+    return results
+
+
+def greedy_call(session: str, prompt: list[int], drafts: list[int]) -> tuple:
+    return (session, 0, EMPTY_HASH, prompt, drafts, [], SamplingParams(), 0)
+
+
+def test_engine_batches_queued_sessions_and_each_gets_its_own_answer(tiny_target):
+    engine, alone = VerifyEngine(tiny_target, max_batch_size=8), VerifyEngine(tiny_target, max_batch_size=1)
+    rng = random.Random(3)
+    vocab = tiny_target.vocab_size
+    calls = [greedy_call(f"s{i}", [rng.randrange(vocab) for _ in range(5 + 3 * i)],
+                         [rng.randrange(vocab) for _ in range(i + 1)]) for i in range(5)]
+    before = batched_passes_of_at_least(5)
+    got = queued_together(engine, calls)
+    assert batched_passes_of_at_least(5) == before + 1
+    assert got == [alone.verify(*call) for call in calls]
+
+
+def test_one_bad_request_fails_alone(tiny_target):
+    engine = VerifyEngine(tiny_target, max_batch_size=8)
+    good = greedy_call("good", [1, 2, 3], [4])
+    unknown = ("never-started", 3, 12345, [5], [6], [], SamplingParams(), 0)  # not a full history: must resync
+    got = queued_together(engine, [good, unknown])
+    assert isinstance(got[1], ResyncRequired)
+    assert got[0] == VerifyEngine(tiny_target, max_batch_size=1).verify(*good)
+
+
+def test_calls_of_one_session_run_in_order_not_together(tiny_target):
+    engine = VerifyEngine(tiny_target, max_batch_size=8)
+    first = greedy_call("same", [1, 2, 3], [])
+    # The second call carries the first call's outcome as its base: it only works if the first ran before it.
+    expected_first = VerifyEngine(tiny_target).verify(*first)
+    history = [1, 2, 3, expected_first.verdict.next_token]
+    second = ("same", len(history), history_hash(history), [], [], [], SamplingParams(), 0)
+    got = queued_together(engine, [first, second])
+    assert got[0] == expected_first
+    assert got[1].committed_length == 5
+
+
+def test_long_prompt_is_prefilled_on_its_own(tiny_target):
+    engine, alone = VerifyEngine(tiny_target, max_batch_size=8), VerifyEngine(tiny_target, max_batch_size=1)
+    calls = [greedy_call("long", list(range(MAX_BATCHED_FRESH_TOKENS + 20)), [7, 8]),
+             greedy_call("short", [3, 4, 5], [6])]
+    assert queued_together(engine, calls) == [alone.verify(*call) for call in calls]
+
+
+@contextmanager
+def busy_model(engine: VerifyEngine, busy_s: float = 0.03):
+    """Keep taking the engine's model for `busy_s` at a time, as a big model's forward pass would: calls arriving
+    meanwhile queue up, as they do on a real verifier under load."""
+    stop = threading.Event()
+
+    def hog() -> None:
+        while not stop.is_set():
+            with engine._model_lock:
+                time.sleep(busy_s)
+            time.sleep(0.001)
+
+    thread = threading.Thread(target=hog, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def test_concurrent_generations_over_grpc_equal_reference_greedy(tiny_target, tiny_unrelated_draft):
+    prompts = [tiny_target.tokenizer(text)["input_ids"] for text in
+               ("def fibonacci(n):", "Once upon a time", "SELECT * FROM", "import numpy as np\n", "hello world")]
+    expected = [reference_greedy(tiny_target.model, p, 24, set(tiny_target.eos_token_ids)) for p in prompts]
+    before = batched_passes_of_at_least(2)
+    with run_verifier(tiny_target, port=0) as verifier, run_drafter(tiny_unrelated_draft, port=0) as drafter, \
+            Coordinator(verifier=verifier.address, drafter=drafter.address, tokenizer=tiny_target.tokenizer) as c, \
+            busy_model(verifier.engine), ThreadPoolExecutor(len(prompts)) as pool:
+        results = list(pool.map(lambda p: c.generate(list(p), GenerationOptions(max_new_tokens=24)), prompts))
+    assert [r.token_ids for r in results] == expected
+    assert batched_passes_of_at_least(2) > before, "concurrent sessions should have shared forward passes"
+
+
+def test_a_caller_gone_while_queued_costs_no_forward_pass(tiny_target):
+    engine = VerifyEngine(tiny_target, max_batch_size=8)
+    gone = ("gone", 0, EMPTY_HASH, [1, 2, 3], [4], [], SamplingParams(), 0, lambda: False)
+    here = greedy_call("here", [1, 2, 3], [4])
+    got = queued_together(engine, [gone, here])
+    assert isinstance(got[0], Cancelled)
+    assert got[1] == VerifyEngine(tiny_target).verify(*here)
+    assert len(engine.sessions) == 1, "the gone caller's session was never even created"
+
+
+def decode_steps(engine: VerifyEngine, session: str, prompt: list[int], steps: int) -> list[int]:
+    """Target-only decoding through `engine`, syncing deltas like the coordinator, each call 10 ms after the last
+    answer (the network and the coordinator's turnaround)."""
+    history = list(prompt)
+    sent = 0
+    for step in range(steps):
+        if step:
+            time.sleep(0.01)
+        outcome = engine.verify(session, sent, history_hash(history[:sent]), history[sent:], [], [],
+                                SamplingParams(), 0)
+        history.append(outcome.verdict.next_token)
+        sent = len(history)
+    return history[len(prompt):]
+
+
+def test_active_sessions_are_waited_for_instead_of_alternating(tiny_target):
+    """Two sessions calling back right after each answer: with a short wait window they share passes (without it they
+    tend to alternate: one runs while the other queues); outputs stay each session's own greedy decoding."""
+    engine = VerifyEngine(tiny_target, max_batch_size=8, max_batch_wait_s=0.2)
+    prompts = [[5, 6, 7], [9, 10, 11, 12]]
+    before_pairs, before_all = batched_passes_of_at_least(2), batched_passes_of_at_least(1)
+    with ThreadPoolExecutor(2) as pool:
+        outputs = list(pool.map(lambda i: decode_steps(engine, f"s{i}", prompts[i], 12), range(2)))
+    pairs, passes = batched_passes_of_at_least(2) - before_pairs, batched_passes_of_at_least(1) - before_all
+    assert outputs == [reference_greedy(tiny_target.model, p, 12) for p in prompts]
+    assert pairs >= 10 and passes <= 14, f"{pairs} shared passes of {passes}"

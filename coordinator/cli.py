@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import signal
 import sys
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from pathlib import Path
+from types import ModuleType
 
 from coordinator.draft_length import DEFAULT_POLICY, POLICIES
 from specmesh.runtime import catalog
 from specmesh.ops import config as flag_config
 from specmesh.ops.config import add_config_argument
+from specmesh.ops.flags import DefaultsHelpFormatter, add_client_security_flags, add_logging_flags, add_metrics_flags
 from specmesh.runtime.catalog import DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL
 from specmesh.runtime.engine import ENGINES
 
@@ -26,50 +26,39 @@ def add_fleet_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verifier", action="append", default=None,
                    help="verifier HOST:PORT or dns:///NAME:PORT; may be repeated (default: start one locally)")
     p.add_argument("--draft-model", default=DEFAULT_DRAFT_MODEL,
-                   help=f"model for a locally started drafter (default: {DEFAULT_DRAFT_MODEL})")
+                   help="model for a locally started drafter")
     p.add_argument("--target-model", default=DEFAULT_TARGET_MODEL,
-                   help=f"model for a locally started verifier (default: {DEFAULT_TARGET_MODEL})")
-    p.add_argument("--dtype", default="auto", help="dtype of locally started workers (default: auto)")
-    p.add_argument("--device", default="auto", help="device of locally started workers (default: auto)")
+                   help="model for a locally started verifier")
+    p.add_argument("--dtype", default="auto", help="dtype of locally started workers")
+    p.add_argument("--device", default="auto", help="device of locally started workers")
     p.add_argument("--engine", choices=ENGINES, default="auto",
                    help="model runtime of locally started workers: llamacpp (GGUF, quantized), transformers (torch); "
-                   "auto = llamacpp for GGUF/catalog models on CPU unless --dtype is given (default: auto)")
+                   "auto = llamacpp for GGUF/catalog models on CPU unless --dtype is given")
     p.add_argument("--draft-tokens", "--draft", type=int, default=None,
                    help="fixed draft length k; 0 = target-only decoding (default: adaptive)")
     p.add_argument("--draft-policy", choices=POLICIES, default=DEFAULT_POLICY,
                    help="how adaptive k is chosen: heuristic = +2 after a fully accepted round, -1 otherwise (HF's); "
                    "cost = the k maximising measured tokens/s from acceptance rate, draft and verify times, "
-                   f"down to k = 0 when drafting does not pay (default: {DEFAULT_POLICY})")
+                   "down to k = 0 when drafting does not pay")
     p.add_argument("--pipeline", action="store_true",
                    help="draft the next round while the verifier checks this one, betting that every draft is "
                    "accepted (pays when drafter and verifier run on different hosts; same output either way)")
     p.add_argument("--connect-timeout", type=float, default=60.0,
-                   help="seconds to wait at start for a SERVING verifier (and drafter) (default: 60)")
+                   help="seconds to wait at start for a SERVING verifier (and drafter)")
     add_resilience_arguments(p)
-    p.add_argument("--tls-ca", help="PEM CA bundle to verify workers' certificates (enables TLS)")
-    p.add_argument("--tls-cert", help="PEM client certificate for mutual TLS")
-    p.add_argument("--tls-key", help="PEM private key of --tls-cert")
-    p.add_argument("--tls-server-name", help="name to expect in the workers' certificates (default: the host)")
-    p.add_argument("--token-file", help="bearer token for the workers (default: $SPECMESH_TOKEN_FILE, else "
-                   "$SPECMESH_TOKEN)")
-    p.add_argument("--metrics-port", type=int, default=None,
-                   help="serve Prometheus metrics on this port; 0 picks a free one (default: off)")
-    p.add_argument("--metrics-host", default="127.0.0.1", help="address for --metrics-port (default: 127.0.0.1)")
+    add_client_security_flags(p)
+    add_metrics_flags(p)
     p.add_argument("--record", default=None, help="append one JSON line per generation to this file (default: off)")
-    p.add_argument("--log-format", choices=("auto", "json", "text"), default="auto",
-                   help="auto: JSON lines unless stderr is a terminal (default: auto)")
-    p.add_argument("--log-level", default=None,
-                   help="DEBUG, INFO, WARNING or ERROR (default: WARNING for generate, INFO for serve)")
 
 
 def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", required=True, help="the prompt text")
     add_fleet_arguments(p)
-    p.add_argument("--max-new-tokens", "--max", type=int, default=256,
-                   help="tokens to generate at most (default: 256)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default: 1.0 = off)")
-    p.add_argument("--top-k", type=int, default=0, help="top-k sampling (default: 0 = off)")
+    add_logging_flags(p, level="WARNING")
+    p.add_argument("--max-new-tokens", "--max", type=int, default=256, help="tokens to generate at most")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold; 1 = off")
+    p.add_argument("--top-k", type=int, default=0, help="top-k sampling; 0 = off")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random when sampling)")
     p.add_argument("--stop", action="append", default=[], help="stop string; may be repeated")
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
@@ -77,24 +66,24 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default="127.0.0.1", help="HTTP address to bind (default: 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="HTTP port; 0 picks a free one (default: 8000)")
-    p.add_argument("--default-max-tokens", type=int, default=256,
-                   help="max_tokens when a request gives none (default: 256)")
+    p.add_argument("--host", default="127.0.0.1", help="HTTP address to bind")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port; 0 picks a free one")
+    p.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens when a request gives none")
     add_fleet_arguments(p)
+    add_logging_flags(p, level="INFO")
 
 
 def add_resilience_arguments(p: argparse.ArgumentParser) -> None:
     from coordinator.resilience import ResilienceConfig
     d = ResilienceConfig()
     p.add_argument("--rpc-timeout", type=float, default=d.verify_timeout_s,
-                   help=f"deadline of one Verify or Propose attempt, seconds (default: {d.verify_timeout_s:g})")
+                   help="deadline of one Verify or Propose attempt, seconds")
     p.add_argument("--retry-budget", type=float, default=d.retry_budget_s,
-                   help=f"seconds one step may spend retrying and failing over (default: {d.retry_budget_s:g})")
+                   help="seconds one step may spend retrying and failing over")
     p.add_argument("--breaker-fail-max", type=int, default=d.breaker_fail_max,
-                   help=f"consecutive failures that open a worker's circuit breaker (default: {d.breaker_fail_max})")
+                   help="consecutive failures that open a worker's circuit breaker")
     p.add_argument("--breaker-reset", type=float, default=d.breaker_reset_s,
-                   help=f"seconds before an open breaker lets a probe through (default: {d.breaker_reset_s:g})")
+                   help="seconds before an open breaker lets a probe through")
 
 
 def resilience_from(args: argparse.Namespace):
@@ -159,7 +148,7 @@ def generate(args: argparse.Namespace) -> int:
     from coordinator.workers import WorkerError
     from specmesh.ops.logs import configure_logging
     try:
-        configure_logging("coordinator", args.log_format, args.log_level or "WARNING")
+        configure_logging("coordinator", args.log_format, args.log_level)
         options = GenerationOptions(max_new_tokens=args.max_new_tokens, draft_tokens=args.draft_tokens,
                                     draft_policy=args.draft_policy, pipeline=args.pipeline,
                                     temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
@@ -206,7 +195,7 @@ def serve(args: argparse.Namespace) -> int:
     from coordinator.workers import WorkerError
     from specmesh.ops.logs import configure_logging
     try:
-        configure_logging("coordinator", args.log_format, args.log_level or "INFO")
+        configure_logging("coordinator", args.log_format, args.log_level)
         resilience_from(args), security_from(args)
         if args.draft_tokens is not None and not 0 <= args.draft_tokens <= 64:
             raise ValueError(f"draft_tokens must be in 0..64, got {args.draft_tokens}")
@@ -259,51 +248,44 @@ def models_pull(args: argparse.Namespace) -> int:
 
 LEAF_PARSERS: dict[str, argparse.ArgumentParser] = {}
 
-# Benchmarks live in scripts/ (they are tools, not library code); these commands run them from a source checkout.
-SCRIPT_COMMANDS = {
-    "bench": ("bench.py", "side-by-side benchmark: target-only, speculative, n-gram and HF transformers baselines"),
-    "bench-concurrency": ("bench_concurrency.py",
-                          "aggregate tokens/s of concurrent generations with and without cross-session batching"),
+# Benchmarks are commands with their own parsers (coordinator/benchmarks/), imported when run: they load torch.
+BENCHMARK_COMMANDS = {
+    "bench": "side-by-side benchmark: target-only, speculative, n-gram and HF transformers baselines",
+    "bench-concurrency": "aggregate tokens/s of concurrent generations with and without cross-session batching",
 }
 
 
-def run_script(command: str, argv: list[str]) -> int:
-    """Run scripts/<file>'s main(argv) (`coordinator bench --help` shows that script's own flags)."""
-    script = Path(__file__).resolve().parent.parent / "scripts" / SCRIPT_COMMANDS[command][0]
-    if not script.is_file():
-        print(f"coordinator {command}: error: {script} not found; `coordinator {command}` runs from a source "
-              "checkout (pip install -e .)", file=sys.stderr)
-        return 2
-    spec = importlib.util.spec_from_file_location(f"specmesh_scripts_{script.stem}", script)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the script runs
-    spec.loader.exec_module(module)
-    return module.main(argv)
+def benchmark_module(command: str) -> ModuleType:
+    """The module of a benchmark command: build_parser(prog) and main(argv, prog)."""
+    from coordinator.benchmarks import bench, concurrency
+    return {"bench": bench, "bench-concurrency": concurrency}[command]
 
 
 def build_parser() -> argparse.ArgumentParser:
     # allow_abbrev=False everywhere: with prefix matching, adding a flag could break a user's command line (--draft
     # once meant --draft-tokens, until --draft-policy made it ambiguous); --draft and --max are explicit aliases now.
-    parser = argparse.ArgumentParser(prog="coordinator", allow_abbrev=False, description="specmesh coordinator: "
-                                     "distributed speculative decoding over gRPC drafter and verifier services")
+    # DefaultsHelpFormatter everywhere: --help shows every default (subparsers do not inherit a formatter).
+    leaf = dict(allow_abbrev=False, formatter_class=DefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(prog="coordinator", description="specmesh coordinator: distributed speculative "
+                                     "decoding over gRPC drafter and verifier services", **leaf)
     commands = parser.add_subparsers(dest="command", required=True)
-    gen = commands.add_parser("generate", help="generate text with speculative decoding", allow_abbrev=False)
+    gen = commands.add_parser("generate", help="generate text with speculative decoding", **leaf)
     add_generate_arguments(gen)
     add_config_argument(gen)
     LEAF_PARSERS["generate"] = gen
     gen.set_defaults(func=generate)
     srv = commands.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)",
-                              allow_abbrev=False)
+                              **leaf)
     add_serve_arguments(srv)
     add_config_argument(srv)
     LEAF_PARSERS["serve"] = srv
     srv.set_defaults(func=serve)
-    for name, (_, help_text) in SCRIPT_COMMANDS.items():
-        commands.add_parser(name, help=help_text, add_help=False)  # main() hands its arguments to the script
-    models = commands.add_parser("models", help="the built-in model catalog")
+    for name, help_text in BENCHMARK_COMMANDS.items():
+        commands.add_parser(name, help=help_text, add_help=False, **leaf)  # main() hands its arguments on
+    models = commands.add_parser("models", help="the built-in model catalog", **leaf)
     models_commands = models.add_subparsers(dest="models_command", required=True)
-    models_commands.add_parser("list", help="list catalog models").set_defaults(func=models_list)
-    pull = models_commands.add_parser("pull", help="download, assemble and verify a catalog model", allow_abbrev=False)
+    models_commands.add_parser("list", help="list catalog models", **leaf).set_defaults(func=models_list)
+    pull = models_commands.add_parser("pull", help="download, assemble and verify a catalog model", **leaf)
     pull.add_argument("name", nargs="+", help="catalog model name(s), or 'all'")
     pull.set_defaults(func=models_pull)
     return parser
@@ -314,11 +296,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # Flags also come from SPECMESH_* variables and a --config TOML file (specmesh/ops/config.py).
     command = argv[0] if argv else None
-    if command in SCRIPT_COMMANDS:
-        return run_script(command, argv[1:])
+    if command in BENCHMARK_COMMANDS:
+        return benchmark_module(command).main(argv[1:], prog=f"coordinator {command}")
     if command in LEAF_PARSERS:
         leaf = LEAF_PARSERS[command]
-        known, _ = leaf.parse_known_args(argv[1:])
-        flag_config.apply(leaf, command, flag_config.load(getattr(known, "config", None)))
+        flag_config.apply(leaf, command, flag_config.load(flag_config.config_file(argv[1:])))
     args = parser.parse_args(argv)
     return args.func(args)

@@ -33,13 +33,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from coordinator import Coordinator, GenerationOptions  # noqa: E402
-from coordinator.api import GenerationFailed  # noqa: E402
-from coordinator.resilience import ResilienceConfig  # noqa: E402
-from coordinator.workers import LocalWorker, LocalWorkerSpec, RemoteWorker, WorkerError  # noqa: E402
+from coordinator import Coordinator, GenerationOptions
+from coordinator.api import GenerationFailed
+from coordinator.resilience import ResilienceConfig
+from coordinator.workers import LocalWorker, LocalWorkerSpec, WorkerError
 
 PROMPTS = [
     "def fibonacci(n):\n    ",

@@ -17,14 +17,15 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import grpc
+from hypothesis import HealthCheck, given, settings
+
+from coordinator import Coordinator, GenerationOptions
+from coordinator.workers import LocalWorker, LocalWorkerSpec, RemoteWorker
+from specmesh.runtime.models import load_model
+
+# The request strategies are the test suite's (tests/ is not an installed package): reach them from the checkout.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import grpc  # noqa: E402
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-
-from coordinator import Coordinator, GenerationOptions  # noqa: E402
-from coordinator.workers import LocalWorker, LocalWorkerSpec, RemoteWorker  # noqa: E402
-from specmesh.runtime.models import load_model  # noqa: E402
 from tests.fuzz_strategies import END, PROPER, PROPOSE, VERIFY, call, send_garbage  # noqa: E402
 from tests.helpers import reference_greedy  # noqa: E402
 

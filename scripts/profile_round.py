@@ -23,20 +23,15 @@ import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from coordinator import Coordinator, GenerationOptions  # noqa: E402
-from coordinator.workers import LocalWorker, LocalWorkerSpec  # noqa: E402
-from specmesh.runtime.catalog import DEFAULT_TARGET_MODEL  # noqa: E402
-from specmesh.wire.history import EMPTY_HASH, TokenHistory  # noqa: E402
-from specmesh.runtime.engine import load_engine  # noqa: E402
-from specmesh.decoding.sampling import SamplingParams  # noqa: E402
-from specmesh.v1 import specmesh_pb2 as pb  # noqa: E402
-from verifier.engine import VerifyEngine  # noqa: E402
+from coordinator import Coordinator, GenerationOptions
+from coordinator.workers import LocalWorker, LocalWorkerSpec
+from specmesh.runtime.catalog import DEFAULT_TARGET_MODEL
+from specmesh.wire.history import EMPTY_HASH, TokenHistory
+from specmesh.runtime.engine import load_engine
+from specmesh.decoding.sampling import SamplingParams
+from specmesh.v1 import specmesh_pb2 as pb
+from verifier.engine import VerifyEngine
 
 PROMPT = "Write a Python function that checks whether a number is prime."
 

@@ -69,6 +69,14 @@ def load(path: str | None) -> dict | None:
         raise SystemExit(f"error: config file {path!r}: {e}") from None
 
 
+def config_file(argv: list[str]) -> str | None:
+    """The --config given on a command line (else $SPECMESH_CONFIG), read before the command's parser runs: its
+    defaults, and so its --help, then include the file's and the environment's values."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    add_config_argument(parser)
+    return parser.parse_known_args(argv)[0].config
+
+
 def add_config_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=os.environ.get(ENV_PREFIX + "CONFIG"),
                         help="TOML file with flag values (default: $SPECMESH_CONFIG); command line and SPECMESH_* "

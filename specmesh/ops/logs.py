@@ -11,6 +11,7 @@ from pythonjsonlogger.json import JsonFormatter
 
 request_id: contextvars.ContextVar[str] = contextvars.ContextVar("specmesh_request_id", default="")
 session_id: contextvars.ContextVar[str] = contextvars.ContextVar("specmesh_session_id", default="")
+LOG_FORMATS = ("auto", "json", "text")
 
 
 class _Ids(logging.Filter):
@@ -38,7 +39,7 @@ class _StderrHandler(logging.StreamHandler):
 
 
 def configure_logging(process: str, log_format: str = "auto", level: str = "INFO") -> None:
-    if log_format not in ("auto", "json", "text"):
+    if log_format not in LOG_FORMATS:
         raise ValueError(f"log format must be auto, json or text, got {log_format!r}")
     use_json = log_format == "json" or (log_format == "auto" and not sys.stderr.isatty())
     handler = _StderrHandler()

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from specmesh.ops import config as flag_config
 from specmesh.runtime import onednn
 from specmesh.ops.config import add_config_argument
+from specmesh.ops.flags import (DefaultsHelpFormatter, add_logging_flags, add_metrics_flags,
+                                add_server_security_flags)
 from specmesh.wire.limits import DEFAULT_MAX_DRAFT_TOKENS
 from specmesh.ops.logs import configure_logging
 from specmesh.ops.metrics import serve_metrics
@@ -28,58 +30,45 @@ from specmesh.worker.session_store import SessionLimits
 
 def add_serve_arguments(parser: argparse.ArgumentParser, default_model: str) -> None:
     parser.add_argument("--model", default=default_model,
-                        help=f"catalog name, tiny-random-* preset, .gguf path, HF directory or hub id (default: {default_model})")
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=50051, help="port to bind; 0 picks a free one (default: 50051)")
-    parser.add_argument("--device", default="auto", help="auto|cpu|cuda|cuda:N (default: auto)")
-    parser.add_argument("--dtype", default="auto", help="auto|float32|bfloat16|float16|float64 (default: auto = bf16 "
-                        "on CUDA and on CPUs with avx512_bf16/AMX, else float32)")
+                        help="catalog name, tiny-random-* preset, .gguf path, HF directory or hub id")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind")
+    parser.add_argument("--port", type=int, default=50051, help="port to bind; 0 picks a free one")
+    parser.add_argument("--device", default="auto", help="auto|cpu|cuda|cuda:N")
+    parser.add_argument("--dtype", default="auto", help="auto|float32|bfloat16|float16|float64; auto = bf16 on CUDA "
+                        "and on CPUs with avx512_bf16/AMX, else float32")
     parser.add_argument("--engine", choices=ENGINES, default="auto",
                         help="model runtime: llamacpp runs a GGUF file quantized with llama.cpp, transformers runs "
                         "any HF model in torch (exact in float32, GPUs); auto = llamacpp for GGUF files and catalog "
-                        "models on CPU unless --dtype is given, else transformers (default: auto)")
+                        "models on CPU unless --dtype is given, else transformers")
     parser.add_argument("--linear-backend", choices=onednn.BACKENDS, default="auto",
                         help="CPU linear layers: onednn pre-packs the weights for oneDNN, which makes a pass over a "
                         "few tokens (verifying k drafts, batched sessions) far cheaper than torch's default kernels; "
-                        "auto = onednn on CPU where it supports the dtype (default: auto)")
+                        "auto = onednn on CPU where it supports the dtype")
     parser.add_argument("--threads", type=int, default=None,
                         help="CPU threads of the model (default: torch's choice; llama.cpp: the usable cores)")
-    parser.add_argument("--max-sessions", type=int, default=64, help="KV-cache sessions kept, LRU-evicted (default: 64)")
+    parser.add_argument("--max-sessions", type=int, default=64, help="KV-cache sessions kept, LRU-evicted")
     parser.add_argument("--session-ttl", type=float, default=600.0,
-                        help="seconds an idle session's KV cache is kept (default: 600)")
+                        help="seconds an idle session's KV cache is kept")
     parser.add_argument("--max-draft-tokens", type=int, default=DEFAULT_MAX_DRAFT_TOKENS,
-                        help=f"largest k accepted (default: {DEFAULT_MAX_DRAFT_TOKENS})")
+                        help="largest k accepted")
     parser.add_argument("--max-context-length", type=int, default=None,
                         help="longest token history accepted (default: the model's maximum; llama.cpp: at most "
                         "16384, and its KV cache holds this many tokens shared by all sessions)")
     parser.add_argument("--grace", type=float, default=10.0,
-                        help="seconds in-flight calls may finish after SIGTERM (default: 10)")
+                        help="seconds in-flight calls may finish after SIGTERM")
     parser.add_argument("--inject-latency", type=float, default=0.0,
-                        help="testing: wait this many seconds before every Propose/Verify (default: 0)")
-    parser.add_argument("--metrics-port", type=int, default=None,
-                        help="serve Prometheus metrics on this port; 0 picks a free one (default: off)")
-    parser.add_argument("--metrics-host", default="127.0.0.1", help="address for --metrics-port (default: 127.0.0.1)")
-    add_logging_arguments(parser)
+                        help="testing: wait this many seconds before every Propose/Verify")
+    add_metrics_flags(parser)
+    add_logging_flags(parser, level="INFO")
     limits = parser.add_argument_group("limits")
     limits.add_argument("--max-cache-bytes", type=int, default=None,
                         help="KV-cache memory across sessions; least recently used sessions are evicted beyond it "
                         "(default: unlimited)")
     limits.add_argument("--max-message-bytes", type=int, default=4 * 1024 * 1024,
-                        help="largest request or response (default: 4 MiB)")
+                        help="largest request or response, in bytes")
     limits.add_argument("--max-concurrent-rpcs", type=int, default=64,
-                        help="calls in progress at once; more are answered RESOURCE_EXHAUSTED (default: 64)")
-    security = parser.add_argument_group("security")
-    security.add_argument("--tls-cert", help="PEM server certificate (enables TLS)")
-    security.add_argument("--tls-key", help="PEM private key of --tls-cert")
-    security.add_argument("--tls-ca", help="PEM CA bundle: require client certificates signed by it (mutual TLS)")
-    security.add_argument("--token-file", help="file holding the bearer token every RPC must carry "
-                          "(default: $SPECMESH_TOKEN_FILE, else $SPECMESH_TOKEN, else no token)")
-
-
-def add_logging_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--log-format", choices=("auto", "json", "text"), default="auto",
-                        help="auto: JSON lines unless stderr is a terminal (default: auto)")
-    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default: INFO)")
+                        help="calls in progress at once; more are answered RESOURCE_EXHAUSTED")
+    add_server_security_flags(parser.add_argument_group("security"))
 
 
 def add_drafter_arguments(parser: argparse.ArgumentParser) -> None:
@@ -88,7 +77,7 @@ def add_drafter_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--method", choices=("model", "ngram"), default="model",
                        help="model: run the draft model --model; ngram: prompt lookup (copy what followed the latest "
                        "earlier occurrence of the last n tokens), no weights loaded, --model then only names the "
-                       "tokenizer: give the target's (default: model)")
+                       "tokenizer: give the target's")
     group.add_argument("--vocab-size", type=int, default=None,
                        help="ngram: logits width reported to the coordinator (default: the --model config's "
                        "vocab_size, else the tokenizer's size); must not exceed the verifier's")
@@ -100,26 +89,34 @@ def add_verifier_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("batching (verifier only)")
     group.add_argument("--max-batch-size", type=int, default=8,
                        help="Verify calls of different sessions that arrive while the model is busy run together in "
-                       "one forward pass of up to this many sessions; 1 turns cross-session batching off (default: 8)")
+                       "one forward pass of up to this many sessions; 1 turns cross-session batching off")
     group.add_argument("--max-batch-wait", type=float, default=0.02,
                        help="seconds a forward pass may wait for recently answered sessions to send their next call, "
-                       "so that they join it instead of alternating with it; 0 never waits (default: 0.02)")
+                       "so that they join it instead of alternating with it; 0 never waits")
 
 
-def serve_main(role: str, build_server: Callable[..., WorkerServer], default_model: str,
-               argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=role, description=f"specmesh {role} service", allow_abbrev=False)
+def build_parser(role: str, default_model: str) -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """The `drafter` or `verifier` command's parser and its `serve` subcommand's."""
+    parser = argparse.ArgumentParser(prog=role, description=f"specmesh {role} service", allow_abbrev=False,
+                                     formatter_class=DefaultsHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
-    serve = commands.add_parser("serve", help=f"run the {role} gRPC service", allow_abbrev=False)
+    serve = commands.add_parser("serve", help=f"run the {role} gRPC service", allow_abbrev=False,
+                                formatter_class=DefaultsHelpFormatter)
     add_serve_arguments(serve, default_model)
     if role == "drafter":
         add_drafter_arguments(serve)
     else:
         add_verifier_arguments(serve)
     add_config_argument(serve)
+    return parser, serve
+
+
+def serve_main(role: str, build_server: Callable[..., WorkerServer], default_model: str,
+               argv: list[str] | None = None) -> int:
+    parser, serve = build_parser(role, default_model)
+    argv = sys.argv[1:] if argv is None else argv
     # Flags also come from SPECMESH_* variables and a --config TOML file (specmesh/ops/config.py).
-    known, _ = serve.parse_known_args((argv if argv is not None else sys.argv[1:])[1:])
-    flag_config.apply(serve, role, flag_config.load(known.config))
+    flag_config.apply(serve, role, flag_config.load(flag_config.config_file(argv[1:])))
     args = parser.parse_args(argv)
     # Passed to build_server as keywords, so the verifier's build_server never sees drafter options.
     options = dict(method=args.method, vocab_size=args.vocab_size, ngram_min=args.ngram_min,

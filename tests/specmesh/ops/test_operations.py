@@ -54,9 +54,3 @@ def test_bad_environment_value_is_a_clear_error():
     assert result.returncode != 0
     assert "SPECMESH_MAX_NEW_TOKENS" in result.stderr and "Traceback" not in result.stderr
 
-
-def test_help_documents_every_flag_with_its_default():
-    for command in (["-m", "coordinator", "generate"], ["-m", "coordinator", "serve"], ["-m", "verifier", "serve"],
-                    ["-m", "drafter", "serve"]):
-        text = run(*command, "--help").stdout
-        assert "--config" in text and "default" in text

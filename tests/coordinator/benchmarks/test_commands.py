@@ -3,15 +3,10 @@ written, and speculative modes reproduce target-only greedy output. Speed is not
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
-from pathlib import Path
 
-import pytest
-
-REPO = Path(__file__).resolve().parents[2]
 TINY = ["--target-model", "tiny-random-qwen2", "--draft-model", "tiny-random-qwen2", "--dtype", "float32"]
 
 
@@ -60,54 +55,3 @@ def test_coordinator_bench_concurrency_compares_batching_off_and_on(tmp_path):
 def test_bench_rejects_unknown_modes():
     done = run("bench", "--modes", "fastest")
     assert done.returncode == 2 and "unknown mode" in done.stderr
-
-
-@pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("specmesh_bench_script", REPO / "scripts" / "bench.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up while being defined
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.modules.pop(spec.name, None)
-
-
-def test_bench_parses_llamacpp_modes(bench):
-    modes = bench.parse_modes("llama-target,llama-lookup,llama-prompt-lookup,hf-target")
-    assert [(m.name, m.kind, m.drafter) for m in modes] == [
-        ("target-only", "specmesh", None), ("llama-target", "llamacpp", None), ("llama-lookup", "llamacpp", "ngram"),
-        ("hf-target", "hf", None)]
-    default = [m.name for m in bench.parse_modes(bench.DEFAULT_MODES)]
-    assert default.index("llama-target") == default.index("hf-target") + 1
-    assert default.index("llama-lookup") == default.index("llama-target") + 1
-
-
-def test_bench_skips_llamacpp_modes_for_non_gguf_targets(bench):
-    modes = bench.parse_modes("target-only,4,hf-target,llama-target,llama-lookup")
-    kept, skipped = bench.drop_unrunnable(modes, "tiny-random-qwen2")
-    assert [m.name for m in kept] == ["target-only", "k=4", "hf-target"]
-    assert set(skipped) == {"llama-target", "llama-lookup"}
-    assert all("not a GGUF model" in reason for reason in skipped.values())
-    # Without llama modes nothing is dropped, whatever the target.
-    assert bench.drop_unrunnable(modes[:3], "tiny-random-qwen2") == (modes[:3], {})
-
-
-def test_bench_engine_flags_override_per_side(bench):
-    args = bench.build_parser().parse_args(["--engine", "transformers", "--draft-engine", "llamacpp",
-                                            "--target-model", "tiny-random-qwen2"])
-    assert bench.requested_engines(args) == {"target": "transformers", "draft": "llamacpp"}
-    assert bench.resolved_engines(args)["target"] == "transformers"
-    with pytest.raises(SystemExit):
-        bench.build_parser().parse_args(["--engine", "onnx"])
-
-
-def test_bench_relative_columns_include_llamacpp_target(bench):
-    rows = [{"prompt_id": "p", "mode": m, "tokens_per_s": t, "token_ids": ids}
-            for m, t, ids in [("target-only", 10.0, [1, 2, 3]), ("llama-target", 20.0, [1, 2, 3]),
-                              ("llama-lookup", 40.0, [1, 2, 4])]]
-    bench.add_relative(rows)
-    lookup = rows[2]
-    assert lookup["speedup"] == 4.0 and lookup["speedup_vs_llama_target"] == 2.0 and lookup["diverges_at"] == 2
-    assert rows[1]["diverges_at"] is None

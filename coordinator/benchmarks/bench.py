@@ -1,0 +1,197 @@
+"""Side-by-side benchmark: specmesh target-only, speculative (draft model, adaptive or fixed k), n-gram drafting, and
+in-process Hugging Face transformers and llama.cpp baselines, on the same prompts, models and dtype, in one run.
+
+Phase 1 starts a verifier, a model drafter and an n-gram drafter (`drafter serve --method ngram`) as local subprocesses
+(or uses the given addresses) and, prompt by prompt, runs target-only decoding (k = 0, the baseline) then every
+specmesh mode on the SAME workers. Phase 2 stops them, loads the models in-process with
+specmesh.runtime.models.load_model and runs `model.generate()` (target-only) and
+`model.generate(assistant_model=draft)` (HF assisted generation, HF's defaults) greedily on the same chat-templated
+prompt ids with the same max_new_tokens (`hf-ngram`: `prompt_lookup_num_tokens`). Phase 3 (GGUF targets only: catalog
+names and .gguf paths) loads the target's GGUF with llama-cpp-python's high-level `Llama` and runs its own greedy loop
+(`llama-target`) and its prompt-lookup decoding (`llama-lookup`: LlamaPromptLookupDecoding, --hf-prompt-lookup-tokens
+and --ngram-max) on the same prompt ids; with a non-GGUF target (or without llama-cpp-python) these modes are skipped
+with a note. All decoding is greedy.
+
+The workers run on `--engine` (auto | transformers | llamacpp; `--target-engine` / `--draft-engine` override one side);
+the report records the engines asked for, the ones the workers run and the CPU flags of the machine. llama.cpp's
+batched evaluation is not bit-identical to its one-token evaluation, so on that engine speculative output may drift
+from target-only: the first-divergence column (always against this run's specmesh target-only) is the exactness report.
+
+Per mode: tokens/s, speedup over specmesh target-only (per-prompt ratio of tokens/s, geometric mean), over HF
+target-only and over llama.cpp target-only, acceptance rate, mean accepted length (tokens per target pass), rounds, a
+per-round breakdown (draft_s and verify_s are the coordinator's wall times of the Propose and Verify calls, RPC
+included; rest = everything else: loop, text streaming, session teardown), the first token where the output diverges
+from target-only, and the analytic speedup E / (k*c + v(k)) with E = (1 - a^(k+1)) / (1 - a), a = measured acceptance
+rate, k = mean draft length, c = draft cost per drafted token and v(k) = verify cost per round, both relative to one
+target-only round (steady state: the first round of each generation, which holds the prefill, is left out).
+
+    coordinator bench --classes code,quote --limit-prompts 2 --max-new-tokens 64 --out-dir bench-out
+    python scripts/bench.py --modes target-only,adaptive,4,ngram --limit-prompts code=2,prose=1,quote=1
+
+Writes JSON, a markdown report and a PNG plot of the speedup per prompt (needs matplotlib) when asked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+from coordinator.benchmarks.analysis import add_relative, summarize
+from coordinator.benchmarks.engines import requested_engines, resolved_engines
+from coordinator.benchmarks.hf_baseline import run_hf
+from coordinator.benchmarks.llamacpp_baseline import run_llamacpp
+from coordinator.benchmarks.machine import cpu_features, llamacpp_system_info
+from coordinator.benchmarks.modes import DEFAULT_MODES, drop_unrunnable, parse_modes
+from coordinator.benchmarks.prompts import DEFAULT_PROMPTS, load_prompts
+from coordinator.benchmarks.reports import markdown, plot
+from coordinator.benchmarks.specmesh_runs import run_specmesh
+from specmesh.ops.flags import DefaultsRawDescriptionHelpFormatter
+from specmesh.runtime import onednn
+from specmesh.runtime.catalog import DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL
+from specmesh.runtime.engine import ENGINES
+
+
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__, allow_abbrev=False,
+                                     formatter_class=DefaultsRawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return parser
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--verifier", help="use this running verifier (default: start one)")
+    parser.add_argument("--drafter", help="use this running model drafter (default: start one)")
+    parser.add_argument("--ngram-drafter", help="use this running `drafter serve --method ngram` (default: start one)")
+    parser.add_argument("--target-model", default=DEFAULT_TARGET_MODEL, help="target model, any model spec")
+    parser.add_argument("--draft-model", default=DEFAULT_DRAFT_MODEL, help="draft model, any model spec")
+    parser.add_argument("--dtype", default="auto", help="dtype of the workers and the HF baselines")
+    parser.add_argument("--device", default="auto", help="device of the workers and the HF baselines")
+    parser.add_argument("--engine", choices=ENGINES, default="auto",
+                        help="worker engine, both sides (auto: llama.cpp for GGUF/catalog models on CPU with --dtype "
+                        "auto, else transformers)")
+    parser.add_argument("--target-engine", choices=ENGINES, default=None, help="verifier engine (default: --engine)")
+    parser.add_argument("--draft-engine", choices=ENGINES, default=None,
+                        help="model drafter engine (default: --engine)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU threads: workers, HF and llama.cpp baselines alike (default: all cores)")
+    parser.add_argument("--linear-backend", choices=onednn.BACKENDS, default="auto",
+                        help="CPU linear kernels, workers and HF alike (specmesh/runtime/onednn.py; default: auto)")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per prompt at most")
+    parser.add_argument("--modes", default=DEFAULT_MODES,
+                        help="comma list of target-only (or 0), adaptive, adaptive-cost, pipelined, K (fixed draft "
+                        "length), ngram, ngram-cost, ngram:K, hf-target, hf-assisted, hf-ngram, llama-target, "
+                        "llama-lookup (these two: GGUF targets only, skipped otherwise); target-only is always run")
+    parser.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS, help="prompt set (JSON)")
+    parser.add_argument("--classes", default="code,prose,quote", help="prompt classes to run")
+    parser.add_argument("--limit-prompts", default=None,
+                        help="N (first N of every class) or per class, e.g. code=2,prose=1,quote=1")
+    parser.add_argument("--prompt-ids", default=None, help="comma list of prompt ids to run")
+    parser.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    parser.add_argument("--repeats", type=int, default=1, help="runs per prompt and mode; the fastest counts")
+    parser.add_argument("--ngram-min", type=int, default=1, help="n-gram drafter: shortest n-gram matched")
+    parser.add_argument("--ngram-max", type=int, default=3,
+                        help="n-gram drafter (and hf-ngram, llama-lookup): longest n-gram")
+    parser.add_argument("--hf-prompt-lookup-tokens", type=int, default=10,
+                        help="hf-ngram: prompt_lookup_num_tokens, llama-lookup: num_pred_tokens (default: 10, HF's "
+                        "documented example and llama-cpp-python's default)")
+    parser.add_argument("--llama-flash-attn", choices=("on", "off"), default="on",
+                        help="llama-target/llama-lookup: flash attention (default: on, as llama.cpp's auto and the "
+                        "specmesh llama.cpp engine run on CPU; llama-cpp-python's Llama defaults to off)")
+    parser.add_argument("--from-json", type=Path, default=None,
+                        help="run nothing: re-render the reports (markdown, plot) of an earlier run's JSON")
+    parser.add_argument("--out-dir", type=Path, default=None, help="write bench.json, bench.md and bench.png here")
+    parser.add_argument("--json", dest="json_path", type=Path, default=None, help="write the JSON report here")
+    parser.add_argument("--markdown", type=Path, default=None, help="write the markdown report here")
+    parser.add_argument("--plot", type=Path, default=None, help="write the PNG plot here")
+
+
+def rerender(args: argparse.Namespace) -> int:
+    report = json.loads(args.from_json.read_text())
+    modes = parse_modes(",".join(report["config"]["modes"]))
+    add_relative(report["rows"])
+    report["summary"] = summarize(report["rows"], modes, report["config"]["classes"])
+    write_reports(args, report)
+    return 0
+
+
+def write_reports(args: argparse.Namespace, report: dict) -> None:
+    text = markdown(report)
+    print("\n" + text)
+    if args.json_path:
+        args.json_path.write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n")
+    if args.markdown:
+        args.markdown.write_text(text)
+    if args.plot and plot(report, args.plot):
+        print(f"plot: {args.plot}", file=sys.stderr)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.out_dir:
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        args.json_path = args.json_path or args.out_dir / "bench.json"
+        args.markdown = args.markdown or args.out_dir / "bench.md"
+        args.plot = args.plot or args.out_dir / "bench.png"
+    if args.from_json:
+        return rerender(args)
+    try:
+        modes = parse_modes(args.modes)
+        classes = [c.strip() for c in args.classes.split(",") if c.strip()]
+        prompts = load_prompts(args.prompts, classes, args.limit_prompts,
+                               [i.strip() for i in args.prompt_ids.split(",")] if args.prompt_ids else None)
+        if args.max_new_tokens < 1 or args.repeats < 1:
+            raise ValueError("--max-new-tokens and --repeats must be >= 1")
+        engines, resolved = requested_engines(args), resolved_engines(args)
+    except (ValueError, OSError) as e:
+        print(f"bench: error: {e}", file=sys.stderr)
+        return 2
+    modes, skipped = drop_unrunnable(modes, args.target_model)
+    if skipped:
+        print(f"bench: note: skipping {', '.join(skipped)}: {next(iter(skipped.values()))}", file=sys.stderr)
+
+    def log(row: dict) -> None:
+        acc = row.get("acceptance_rate")
+        print(f"{row['class']:5s} {row['mode']:>12s} {row['tokens_per_s']:7.2f} tok/s {row['new_tokens']:4d} tok "
+              f"{row['rounds']:4d} rounds  accept {'–' if acc is None else f'{acc:.0%}':>4s}  | {row['prompt_id']}",
+              file=sys.stderr, flush=True)
+
+    started = time.time()
+    info, rows, prompt_ids = run_specmesh(args, modes, prompts, log)
+    # HF stops at the same end-of-sequence ids as the coordinator: the verifier's.
+    hf_info, hf_rows = run_hf(args, modes, prompts, prompt_ids, info["eos_token_ids"], log)
+    rows += hf_rows
+    gc.collect()  # the HF models: gone before llama.cpp loads
+    llama_info, llama_rows = run_llamacpp(args, modes, prompts, prompt_ids, info["eos_token_ids"], log)
+    rows += llama_rows
+    add_relative(rows)
+    summary = summarize(rows, modes, classes)
+    uses_llamacpp = bool(llama_rows) or "llamacpp" in (info.get("verifier_engine"), info.get("drafter_engine"))
+    system_info = ((llama_info.get("llamacpp") or {}).get("system_info") or llamacpp_system_info()
+                   if uses_llamacpp else None)
+    report = {
+        "info": {**info, **hf_info, **llama_info, "cpu": cpu_features(system_info)},
+        "config": {"max_new_tokens": args.max_new_tokens, "modes": [m.name for m in modes], "classes": classes,
+                   "repeats": args.repeats, "ngram_min": args.ngram_min, "ngram_max": args.ngram_max,
+                   "threads": args.threads, "linear_backend": args.linear_backend,
+                   "engines": engines, "resolved_engines": resolved,
+                   "hf_prompt_lookup_tokens": args.hf_prompt_lookup_tokens,
+                   "chat": not args.no_chat, "wall_s": round(time.time() - started, 1)},
+        "skipped_modes": skipped,
+        "prompts": [{**p, "prompt_tokens": len(prompt_ids[p["id"]])} for p in prompts],
+        "prompt_counts": {c: sum(p["class"] == c for p in prompts) for c in classes},
+        "summary": summary,
+        "rows": rows,
+    }
+    write_reports(args, report)
+    return 0
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    return run(build_parser(prog).parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""The benchmark's reports: a markdown summary (tables per class and mode, per-round breakdown, per-prompt speedups)
+and a PNG plot of the speedup per prompt (needs matplotlib)."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+from coordinator.benchmarks.modes import BASELINE, LLAMA_BASELINE
+
+
+def _f(value, fmt: str, missing: str = "–") -> str:
+    return missing if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, fmt)
+
+
+def _x(value) -> str:
+    return "–" if value is None else f"{value:.2f}x"
+
+
+def markdown(report: dict) -> str:
+    info, summary, rows = report["info"], report["summary"], report["rows"]
+    config = report["config"]
+    draft = info.get("draft") or "(no draft model)"
+    lines = [f"**{draft} → {info['target']}**, {info['dtype']} on {info['device']}, "
+             f"greedy, ≤ {config['max_new_tokens']} new tokens, {len(report['prompts'])} prompts "
+             f"({', '.join(f'{n} {c}' for c, n in report['prompt_counts'].items())}), best of "
+             f"{config['repeats']}; n-gram drafter n = {config['ngram_min']}.."
+             f"{config['ngram_max']}.", ""]
+    lines += header_notes(report)
+    has_llama = any(s["mode"] == LLAMA_BASELINE for s in summary)
+    lines += ["| class | mode | tokens/s | speedup vs target-only | vs HF target-only | "
+              + ("vs llama.cpp target-only | " if has_llama else "")
+              + "acceptance rate | mean accepted length | rounds | first divergence |",
+              "| --- | --- | ---: | ---: | ---: |" + (" ---: |" if has_llama else "") + " ---: | ---: | ---: | --- |"]
+    for s in summary:
+        div = f"{s['diverged_prompts']}/{s['prompts']} prompts, earliest token {s['earliest_divergence']}" \
+            if s["diverged_prompts"] else "none"
+        lines.append(f"| {s['class']} | {s['mode']} | {_f(s['tokens_per_s'], '.2f')} | {_x(s['speedup'])} | "
+                     f"{_x(s['speedup_vs_hf_target'])} | "
+                     + (f"{_x(s.get('speedup_vs_llama_target'))} | " if has_llama else "")
+                     + f"{_f(s['acceptance_rate'], '.1%')} | "
+                     f"{_f(s['mean_accepted_length'], '.2f')} | {s['rounds']} | {div} |")
+    lines += ["", "Per-round breakdown (ms per round, all rounds; draft/verify = coordinator-side wall time of the "
+              "RPC) and the analytic speedup E / (k·c + v(k)) next to the measured one (steady-state rounds):", "",
+              "| class | mode | draft ms | verify ms | rest ms | prefill round ms | mean k | a | c | v(k) | "
+              "E predicted | E measured | speedup bound | bound with E measured | measured |",
+              "| --- | --- |" + " ---: |" * 13]
+    for s in summary:
+        if s["kind"] != "specmesh":
+            continue
+        lines.append(
+            f"| {s['class']} | {s['mode']} | {_f(s['draft_ms_per_round'], '.1f')} | "
+            f"{_f(s['verify_ms_per_round'], '.1f')} | {_f(s['rest_ms_per_round'], '.1f')} | "
+            f"{_f(s['prefill_round_ms'], '.0f')} | {_f(s.get('k_mean'), '.2f')} | {_f(s['acceptance_rate'], '.2f')} | "
+            f"{_f(s.get('c'), '.3f')} | {_f(s.get('v_k'), '.2f')} | {_f(s.get('expected_tokens_per_round'), '.2f')} | "
+            f"{_f(s['mean_accepted_length'], '.2f')} | {_x(s.get('bound_speedup'))} | "
+            f"{_x(s.get('cost_model_speedup'))} | "
+            f"{_x(s['speedup'])} |")
+    modes = [m for m in report["config"]["modes"] if m != BASELINE]
+    lines += ["", "Speedup over specmesh target-only per prompt:", "",
+              "| prompt | class | " + " | ".join(modes) + " |", "| --- | --- |" + " ---: |" * len(modes)]
+    by = {(r["prompt_id"], r["mode"]): r for r in rows}
+    for p in report["prompts"]:
+        cells = [_x(by[(p["id"], m)]["speedup"]) if (p["id"], m) in by else "–" for m in modes]
+        lines.append(f"| {p['id']} | {p['class']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def header_notes(report: dict) -> list[str]:
+    """Engines, CPU flags, the llama.cpp baselines' settings and skipped modes: the lines under the title."""
+    info, config = report["info"], report["config"]
+    lines = []
+    asked, resolved = config.get("engines"), config.get("resolved_engines")
+    if asked or info.get("verifier_engine"):
+        ran = f"verifier {info.get('verifier_engine') or (resolved or {}).get('target') or '?'}"
+        if info.get("draft"):
+            ran += f", drafter {info.get('drafter_engine') or (resolved or {}).get('draft') or '?'}"
+            if info.get("draft_dtype") and info.get("draft_dtype") != info.get("dtype"):
+                ran += f" ({info['draft_dtype']})"
+        lines.append(f"- engines: {ran}" + (f" (asked: --target-engine {asked['target']}, --draft-engine "
+                                            f"{asked['draft']})" if asked else "") + ".")
+        if "llamacpp" in (info.get("verifier_engine"), info.get("drafter_engine")):
+            lines.append("- llama.cpp's batched evaluation is not bit-identical to its one-token evaluation: the first "
+                         "divergence column (against this run's target-only) is the exactness report.")
+    cpu = info.get("cpu")
+    if cpu:
+        text = f"- CPU: {cpu.get('cpu_count')} cores, flags {' '.join(cpu.get('cpu_flags') or []) or '(none)'}"
+        if cpu.get("torch_cpu_capability"):
+            text += f"; torch kernels {cpu['torch_cpu_capability']}"
+        if cpu.get("llamacpp_cpu_features") is not None:
+            text += f"; llama.cpp build {' '.join(cpu['llamacpp_cpu_features']) or '(none of these)'}"
+        lines.append(text + (f"; threads {config['threads']}" if config.get("threads") else "") + ".")
+    for role, memory in (info.get("memory") or {}).items():
+        if memory.get("weights_bytes"):
+            lines.append(f"- {role} memory after the run: {memory['resident_bytes'] / 2**30:.2f} GiB resident, weights "
+                         f"{memory['weights_bytes'] / 2**30:.2f} GiB "
+                         f"({memory['resident_bytes'] / memory['weights_bytes']:.2f}x).")
+    if info.get("hf_dtype"):
+        lines.append(f"- HF transformers baselines: {info['hf_dtype']}.")
+    llama = info.get("llamacpp")
+    if llama:
+        lookup = llama.get("prompt_lookup")
+        lines.append(f"- llama.cpp baselines: llama-cpp-python {llama.get('version')}, {llama.get('threads')} "
+                     f"threads, flash attention {'on' if llama.get('flash_attn') else 'off'}, "
+                     f"{Path(llama.get('gguf') or '').name}"
+                     + (f"; llama-lookup: num_pred_tokens {lookup['num_pred_tokens']}, max_ngram_size "
+                        f"{lookup['max_ngram_size']}" if lookup else "") + ".")
+    for mode, reason in (report.get("skipped_modes") or {}).items():
+        lines.append(f"- skipped {mode}: {reason}.")
+    return lines + [""] if lines else []
+
+
+def plot(report: dict, path: Path) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("bench: matplotlib is not installed: no plot (pip install matplotlib)", file=sys.stderr)
+        return False
+    modes = [m for m in report["config"]["modes"] if m != BASELINE]
+    prompts = report["prompts"]
+    by = {(r["prompt_id"], r["mode"]): r for r in report["rows"]}
+    width = 0.8 / max(len(modes), 1)
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(prompts) * max(1, len(modes)) * 0.35 + 2), 4.5))
+    for i, mode in enumerate(modes):
+        xs = [j + (i - (len(modes) - 1) / 2) * width for j in range(len(prompts))]
+        ys = [(by.get((p["id"], mode)) or {}).get("speedup") or 0.0 for p in prompts]
+        ax.bar(xs, ys, width, label=mode)
+    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    ax.set_xticks(range(len(prompts)))
+    ax.set_xticklabels([p["id"] for p in prompts], rotation=45, ha="right", fontsize=8)
+    ax.set_ylabel("speedup over specmesh target-only (tokens/s ratio)")
+    info = report["info"]
+    ax.set_title(f"{info.get('draft') or ''} → {info['target']} ({info['dtype']}, {info['device']}), "
+                 f"{report['config']['max_new_tokens']} new tokens", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True

@@ -1,0 +1,105 @@
+"""Phase 1 of the benchmark: every specmesh mode over gRPC, prompt by prompt, on the same workers (started here as local
+subprocesses, or the given addresses): target-only first (the baseline), then speculative and n-gram modes."""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+
+from coordinator import Coordinator, GenerationOptions
+from coordinator.benchmarks.engines import requested_engines
+from coordinator.benchmarks.measure import best_of
+from coordinator.benchmarks.modes import Mode
+from coordinator.workers import LocalWorkerSpec, local_workers
+
+
+def specmesh_row(result, prompt: dict, mode: Mode) -> dict:
+    s = result.stats
+    steady = result.rounds[1:]  # round 1 carries the prompt's prefill on both workers
+    return {
+        "prompt_id": prompt["id"], "class": prompt["class"], "mode": mode.name, "kind": mode.kind,
+        "new_tokens": s["new_tokens"], "elapsed_s": s["elapsed_s"], "tokens_per_s": s["tokens_per_s"],
+        "rounds": s["rounds"], "drafted_tokens": s["drafted_tokens"], "accepted_tokens": s["accepted_tokens"],
+        "acceptance_rate": s["acceptance_rate"], "mean_accepted_length": s["mean_accepted_length"],
+        "draft_s": s["draft_s"], "verify_s": s["verify_s"],
+        "rest_s": round(s["elapsed_s"] - s["draft_s"] - s["verify_s"], 4),
+        "first_round": ({"drafted": result.rounds[0].drafted, "draft_s": round(result.rounds[0].draft_s, 4),
+                         "verify_s": round(result.rounds[0].verify_s, 4)} if result.rounds else None),
+        "steady": {"rounds": len(steady), "drafted": sum(r.drafted for r in steady),
+                   "accepted": sum(r.accepted for r in steady),
+                   "draft_s": round(sum(r.draft_s for r in steady), 4),
+                   "verify_s": round(sum(r.verify_s for r in steady), 4)},
+        "degraded_rounds": s["degraded_rounds"], "retries": s["retries"],
+        "finish_reason": result.finish_reason, "token_ids": result.token_ids, "text": result.text,
+    }
+
+
+def run_specmesh(args, modes: list[Mode], prompts: list[dict], log) -> tuple[dict, list[dict], dict]:
+    """Returns (info, rows, prompt ids by prompt id)."""
+    need_model = any(m.drafter == "model" for m in modes if m.kind == "specmesh")
+    need_ngram = any(m.drafter == "ngram" for m in modes if m.kind == "specmesh")
+    rows: list[dict] = []
+    with ExitStack() as stack:
+        common = dict(device=args.device, dtype=args.dtype, threads=args.threads,
+                      extra_args=("--linear-backend", args.linear_backend))
+        engines = requested_engines(args)
+        specs = []
+        if not args.verifier:
+            specs.append(LocalWorkerSpec("verifier", args.target_model, engine=engines["target"], **common))
+        if need_model and not args.drafter:
+            specs.append(LocalWorkerSpec("drafter", args.draft_model, engine=engines["draft"], **common))
+        addresses = dict(stack.enter_context(local_workers(specs))) if specs else {}
+        verifier = args.verifier or addresses["verifier"]
+        drafter = args.drafter or addresses.get("drafter")
+        ngram_drafter = args.ngram_drafter
+        if need_ngram and not ngram_drafter:
+            extra = ["--method", "ngram", "--ngram-max", str(args.ngram_max), "--ngram-min", str(args.ngram_min)]
+            # The n-gram drafter reads the target's tokenizer only: no weights, nothing on device/dtype.
+            spec = LocalWorkerSpec("drafter", args.target_model, "cpu", "auto", extra_args=tuple(extra))
+            ngram_drafter = stack.enter_context(local_workers([spec]))["drafter"]
+
+        base = stack.enter_context(Coordinator(verifier=verifier))  # loads the verifier's tokenizer
+        tokenizer = base.tokenizer
+        coordinators = {None: base}
+        if need_model:
+            coordinators["model"] = stack.enter_context(Coordinator(verifier=verifier, drafter=drafter,
+                                                                    tokenizer=tokenizer))
+        if need_ngram:
+            coordinators["ngram"] = stack.enter_context(Coordinator(verifier=verifier, drafter=ngram_drafter,
+                                                                    tokenizer=tokenizer))
+        info = {"target": base.verifier_info.model_name, "dtype": base.verifier_info.dtype,
+                "device": base.verifier_info.device, "eos_token_ids": sorted(base.verifier_info.eos_token_ids),
+                "draft": coordinators["model"].drafter_info.model_name if need_model else None,
+                # What the workers report they run (older workers report nothing: None).
+                "verifier_engine": getattr(base.verifier_info, "engine", None) or None,
+                "drafter_engine": (getattr(coordinators["model"].drafter_info, "engine", None) or None)
+                if need_model else None,
+                "draft_dtype": coordinators["model"].drafter_info.dtype if need_model else None,
+                "ngram": {"min": args.ngram_min, "max": args.ngram_max} if need_ngram else None}
+
+        prompt_ids = {p["id"]: base.encode_prompt(p["prompt"], chat=not args.no_chat) for p in prompts}
+        warm = prompt_ids[prompts[0]["id"]]
+        for name, c in coordinators.items():  # warm caches, allocators and channels of every worker
+            c.generate(list(warm), GenerationOptions(max_new_tokens=8, draft_tokens=0 if name is None else None))
+
+        for prompt in prompts:
+            ids = prompt_ids[prompt["id"]]
+            for mode in modes:
+                if mode.kind != "specmesh":
+                    continue
+                c = coordinators[mode.drafter]
+                options = GenerationOptions(max_new_tokens=args.max_new_tokens, draft_tokens=mode.k,
+                                            draft_policy=mode.policy, pipeline=mode.pipeline)
+                row = best_of(args.repeats, lambda: specmesh_row(c.generate(list(ids), options), prompt, mode))
+                rows.append(row)
+                log(row)
+        # Memory after every generation: what the workers hold (resident set vs the weights as loaded).
+        info["memory"] = {role: worker_memory(c, role) for role, c in (("verifier", base),
+                                                                      ("drafter", coordinators.get("model")))
+                          if c is not None}
+    return info, rows, prompt_ids
+
+
+def worker_memory(coordinator: Coordinator, role: str) -> dict:
+    pool = coordinator.verifiers if role == "verifier" else coordinator.drafters
+    reply = pool.endpoints[0].info()
+    return {"resident_bytes": reply.resident_bytes, "weights_bytes": reply.weights_bytes}

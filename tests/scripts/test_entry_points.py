@@ -1,0 +1,45 @@
+"""The scripts run from the repository root as the README shows them (`python scripts/NAME.py`). The benchmark scripts
+are thin entry points of the coordinator's benchmark commands (coordinator/benchmarks/): same flags, same help. The
+tools import the installed packages, no sys.path edits (fuzz.py alone reaches into tests/ for its strategies)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from coordinator.benchmarks import bench, concurrency
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def script(name: str, *args: str) -> subprocess.CompletedProcess:
+    # PYTHONPATH: this checkout, whichever checkout of the project is pip-installed (editable) in this environment.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+           "COLUMNS": "120"}
+    return subprocess.run([sys.executable, str(REPO / "scripts" / name), *args], capture_output=True, text=True,
+                          timeout=300, cwd=REPO, env=env)
+
+
+def options(help_text: str) -> str:
+    """The help text from its options on: the usage line above them names the program."""
+    return help_text[help_text.index("options:"):]
+
+
+@pytest.mark.parametrize("name, module", [("bench.py", bench), ("bench_concurrency.py", concurrency)])
+def test_benchmark_scripts_are_the_coordinator_commands(name, module, monkeypatch):
+    run = script(name, "--help")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith(f"usage: {name} ")
+    monkeypatch.setenv("COLUMNS", "120")
+    assert options(run.stdout) == options(module.build_parser("coordinator bench").format_help())
+
+
+@pytest.mark.parametrize("name", ["chaos.py", "fuzz.py", "profile_round.py"])
+def test_tool_scripts_start(name):
+    run = script(name, "--help")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith(f"usage: {name} ")

@@ -265,27 +265,27 @@ def build_parser() -> argparse.ArgumentParser:
     # allow_abbrev=False everywhere: with prefix matching, adding a flag could break a user's command line (--draft
     # once meant --draft-tokens, until --draft-policy made it ambiguous); --draft and --max are explicit aliases now.
     # DefaultsHelpFormatter everywhere: --help shows every default (subparsers do not inherit a formatter).
-    leaf = dict(allow_abbrev=False, formatter_class=DefaultsHelpFormatter)
+    options = dict(allow_abbrev=False, formatter_class=DefaultsHelpFormatter)
     parser = argparse.ArgumentParser(prog="coordinator", description="specmesh coordinator: distributed speculative "
-                                     "decoding over gRPC drafter and verifier services", **leaf)
+                                     "decoding over gRPC drafter and verifier services", **options)
     commands = parser.add_subparsers(dest="command", required=True)
-    gen = commands.add_parser("generate", help="generate text with speculative decoding", **leaf)
+    gen = commands.add_parser("generate", help="generate text with speculative decoding", **options)
     add_generate_arguments(gen)
     add_config_argument(gen)
     LEAF_PARSERS["generate"] = gen
     gen.set_defaults(func=generate)
     srv = commands.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)",
-                              **leaf)
+                              **options)
     add_serve_arguments(srv)
     add_config_argument(srv)
     LEAF_PARSERS["serve"] = srv
     srv.set_defaults(func=serve)
     for name, help_text in BENCHMARK_COMMANDS.items():
-        commands.add_parser(name, help=help_text, add_help=False, **leaf)  # main() hands its arguments on
-    models = commands.add_parser("models", help="the built-in model catalog", **leaf)
+        commands.add_parser(name, help=help_text, add_help=False, **options)  # main() hands its arguments on
+    models = commands.add_parser("models", help="the built-in model catalog", **options)
     models_commands = models.add_subparsers(dest="models_command", required=True)
-    models_commands.add_parser("list", help="list catalog models", **leaf).set_defaults(func=models_list)
-    pull = models_commands.add_parser("pull", help="download, assemble and verify a catalog model", **leaf)
+    models_commands.add_parser("list", help="list catalog models", **options).set_defaults(func=models_list)
+    pull = models_commands.add_parser("pull", help="download, assemble and verify a catalog model", **options)
     pull.add_argument("name", nargs="+", help="catalog model name(s), or 'all'")
     pull.set_defaults(func=models_pull)
     return parser

@@ -47,12 +47,19 @@ from coordinator.benchmarks.llamacpp_baseline import run_llamacpp
 from coordinator.benchmarks.machine import cpu_features, llamacpp_system_info
 from coordinator.benchmarks.modes import DEFAULT_MODES, drop_unrunnable, parse_modes
 from coordinator.benchmarks.prompts import DEFAULT_PROMPTS, load_prompts
-from coordinator.benchmarks.reports import markdown, plot
+from coordinator.benchmarks.reports import markdown, plot, sweep_markdown
 from coordinator.benchmarks.specmesh_runs import run_specmesh
 from specmesh.ops.flags import DefaultsRawDescriptionHelpFormatter
 from specmesh.runtime import onednn
 from specmesh.runtime.catalog import DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL
 from specmesh.runtime.engine import ENGINES
+
+
+def thread_counts(text: str) -> list[int]:
+    counts = [int(part) for part in text.split(",") if part.strip()]
+    if not counts or any(n < 1 for n in counts):
+        raise argparse.ArgumentTypeError(f"expected positive thread counts like 2 or 1,2, got {text!r}")
+    return counts
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
@@ -76,8 +83,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target-engine", choices=ENGINES, default=None, help="verifier engine (default: --engine)")
     parser.add_argument("--draft-engine", choices=ENGINES, default=None,
                         help="model drafter engine (default: --engine)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="CPU threads: workers, HF and llama.cpp baselines alike (default: all cores)")
+    parser.add_argument("--threads", type=thread_counts, default=None,
+                        help="CPU threads: workers, HF and llama.cpp baselines alike (default: all cores); a comma "
+                        "list (e.g. 1,2) sweeps: the whole benchmark runs once per count, baselines included, and "
+                        "the report has a section per count plus a tokens/s table across them")
     parser.add_argument("--linear-backend", choices=onednn.BACKENDS, default="auto",
                         help="CPU linear kernels, workers and HF alike (specmesh/runtime/onednn.py; default: auto)")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per prompt at most")
@@ -111,22 +120,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def rerender(args: argparse.Namespace) -> int:
     report = json.loads(args.from_json.read_text())
-    modes = parse_modes(",".join(report["config"]["modes"]))
-    add_relative(report["rows"])
-    report["summary"] = summarize(report["rows"], modes, report["config"]["classes"])
+    for run_report in report.get("sweep", [report]):
+        modes = parse_modes(",".join(run_report["config"]["modes"]))
+        add_relative(run_report["rows"])
+        run_report["summary"] = summarize(run_report["rows"], modes, run_report["config"]["classes"])
     write_reports(args, report)
     return 0
 
 
 def write_reports(args: argparse.Namespace, report: dict) -> None:
-    text = markdown(report)
+    text = sweep_markdown(report) if "sweep" in report else markdown(report)
     print("\n" + text)
     if args.json_path:
         args.json_path.write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n")
     if args.markdown:
         args.markdown.write_text(text)
-    if args.plot and plot(report, args.plot):
-        print(f"plot: {args.plot}", file=sys.stderr)
+    for run_report in report.get("sweep", [report]):
+        path = args.plot
+        if path and "sweep" in report:  # one plot per thread count: bench-t1.png, bench-t2.png, ...
+            path = path.with_name(f"{path.stem}-t{run_report['config']['threads']}{path.suffix}")
+        if path and plot(run_report, path):
+            print(f"plot: {path}", file=sys.stderr)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -145,6 +159,9 @@ def run(args: argparse.Namespace) -> int:
         if args.max_new_tokens < 1 or args.repeats < 1:
             raise ValueError("--max-new-tokens and --repeats must be >= 1")
         engines, resolved = requested_engines(args), resolved_engines(args)
+        if args.threads and len(args.threads) > 1 and (args.verifier or args.drafter or args.ngram_drafter):
+            raise ValueError("a --threads sweep starts its own workers at each count: drop --verifier/--drafter/"
+                             "--ngram-drafter")
     except (ValueError, OSError) as e:
         print(f"bench: error: {e}", file=sys.stderr)
         return 2
@@ -152,6 +169,17 @@ def run(args: argparse.Namespace) -> int:
     if skipped:
         print(f"bench: note: skipping {', '.join(skipped)}: {next(iter(skipped.values()))}", file=sys.stderr)
 
+    counts = args.threads or [None]
+    runs = [measure(argparse.Namespace(**{**vars(args), "threads": n}), modes, prompts, classes, skipped,
+                    engines, resolved) for n in counts]
+    report = runs[0] if len(runs) == 1 else {"sweep": runs, "config": {"threads": counts}}
+    write_reports(args, report)
+    return 0
+
+
+def measure(args: argparse.Namespace, modes, prompts: list[dict], classes: list[str], skipped: dict,
+            engines: dict, resolved: dict) -> dict:
+    """One full benchmark run (every phase, baselines included) at args.threads; returns its report."""
     def log(row: dict) -> None:
         acc = row.get("acceptance_rate")
         print(f"{row['class']:5s} {row['mode']:>12s} {row['tokens_per_s']:7.2f} tok/s {row['new_tokens']:4d} tok "
@@ -185,8 +213,7 @@ def run(args: argparse.Namespace) -> int:
         "summary": summary,
         "rows": rows,
     }
-    write_reports(args, report)
-    return 0
+    return report
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:

@@ -18,6 +18,27 @@ def _x(value) -> str:
     return "–" if value is None else f"{value:.2f}x"
 
 
+def sweep_markdown(report: dict) -> str:
+    """A --threads sweep: tokens/s of every class and mode across the thread counts, then each run's own report."""
+    runs = report["sweep"]
+    counts = [r["config"]["threads"] for r in runs]
+    lines = ["tokens/s by thread count (each count is a full run: workers and baselines restarted with that many "
+             "threads; in brackets the speedup over that run's HF target-only):", "",
+             "| class | mode | " + " | ".join(f"{n} threads" for n in counts) + " |",
+             "| --- | --- |" + " ---: |" * len(counts)]
+    cells = {(s["class"], s["mode"], r["config"]["threads"]): s for r in runs for s in r["summary"]}
+    for s in runs[0]["summary"]:
+        row = []
+        for n in counts:
+            cell = cells.get((s["class"], s["mode"], n))
+            row.append("–" if cell is None else
+                       f"{_f(cell['tokens_per_s'], '.2f')} ({_x(cell.get('speedup_vs_hf_target'))})")
+        lines.append(f"| {s['class']} | {s['mode']} | " + " | ".join(row) + " |")
+    for run in runs:
+        lines += ["", f"### {run['config']['threads']} threads", "", markdown(run)]
+    return "\n".join(lines) + "\n"
+
+
 def markdown(report: dict) -> str:
     info, summary, rows = report["info"], report["summary"], report["rows"]
     config = report["config"]

@@ -55,3 +55,25 @@ def test_coordinator_bench_concurrency_compares_batching_off_and_on(tmp_path):
 def test_bench_rejects_unknown_modes():
     done = run("bench", "--modes", "fastest")
     assert done.returncode == 2 and "unknown mode" in done.stderr
+
+
+def test_coordinator_bench_threads_sweep_runs_everything_per_count(tmp_path):
+    done = run("bench", *TINY, "--engine", "transformers", "--modes", "target-only,3,hf-target", "--classes", "code",
+               "--limit-prompts", "1", "--max-new-tokens", "6", "--threads", "1,2", "--out-dir", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert report["config"]["threads"] == [1, 2]
+    assert [run["config"]["threads"] for run in report["sweep"]] == [1, 2]
+    for each in report["sweep"]:  # each count is a whole run: the specmesh modes and the HF baseline
+        assert {row["mode"] for row in each["rows"]} == {"target-only", "k=3", "hf-target"}
+    table = (tmp_path / "bench.md").read_text()
+    assert "| 1 threads | 2 threads |" in table and "### 2 threads" in table
+    assert (tmp_path / "bench-t1.png").exists() and (tmp_path / "bench-t2.png").exists()
+    rerendered = run("bench", "--from-json", str(tmp_path / "bench.json"))
+    assert rerendered.returncode == 0 and "| 1 threads | 2 threads |" in rerendered.stdout
+
+
+def test_bench_refuses_a_threads_sweep_on_running_workers():
+    done = run("bench", "--threads", "1,2", "--verifier", "127.0.0.1:1")
+    assert done.returncode == 2 and "sweep" in done.stderr
+    assert run("bench", "--threads", "0").returncode == 2

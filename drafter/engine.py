@@ -1,28 +1,22 @@
-"""Draft generation on a session's KV cache, free of gRPC."""
+"""Draft generation with a draft model on a session's KV cache, free of gRPC."""
 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
-from specmesh.wire.history import EMPTY_HASH, TokenHistory
-from specmesh.runtime.engine import ModelEngine, as_engine
+from drafter.proposer import Proposal
 from specmesh.decoding.sampling import SamplingParams, SparseDist, draft_sample
+from specmesh.runtime.engine import ModelEngine, as_engine
 from specmesh.wire.contract import Cancelled
+from specmesh.wire.history import EMPTY_HASH, TokenHistory
+from specmesh.worker.cost_probe import PROBE_DRAFTS, fastest_runs, probe_context
+from specmesh.worker.role import ModelDescription
 from specmesh.worker.session_store import SessionLimits, SessionStore, kv_sessions
 
 
-@dataclass(frozen=True)
-class Proposal:
-    tokens: tuple[int, ...]
-    dists: tuple[SparseDist, ...]  # empty when greedy
-    committed_length: int
-
-
 class DraftEngine:
-    """Proposes k tokens autoregressively with the draft model.
+    """A Proposer (drafter/proposer.py) drafting k tokens autoregressively with the draft model.
 
     The drafts stay in the session's KV cache; the next call's context sync says which of them were accepted, and the
     cache rolls back to the longest prefix shared with the new committed history (explicit rollback of the rest).
@@ -30,6 +24,7 @@ class DraftEngine:
 
     def __init__(self, loaded: ModelEngine, limits: SessionLimits = SessionLimits()) -> None:
         self.loaded = loaded = as_engine(loaded)  # the model engine: transformers or llama.cpp
+        self.description = ModelDescription.of(loaded)
         self.sessions = SessionStore(limits, kv_sessions(loaded))
         self._lock = threading.Lock()  # one forward pass at a time: CPU threads are already all in use
         self.draft_per_token_s = 0.0  # measured by warm_up
@@ -54,17 +49,17 @@ class DraftEngine:
             self.sessions.enforce_memory()
             return Proposal(tuple(tokens), tuple(dists), len(committed))
 
-    def warm_up(self, drafts: int = 4, repeats: int = 3) -> None:
+    def end_session(self, session_id: str) -> bool:
+        return self.sessions.end(session_id)
+
+    def warm_up(self) -> None:
         """One proposal so the first real call is not slow; then measure seconds per draft token (the fastest of a
         few proposals, on a short context), the coordinator's prior for its draft length policy."""
-        context = [(7 * i + 3) % max(self.loaded.vocab_size, 1) for i in range(32)]
+        context = probe_context(self.loaded.vocab_size)
         self.propose("warm-up", 0, EMPTY_HASH, context, 1, SamplingParams(), 0)
-        timings = []
-        for _ in range(repeats):
-            started = time.perf_counter()
-            self.propose("warm-up", len(context), TokenHistory(context).hash_at(len(context)), [], drafts,
-                         SamplingParams(), 0)  # the drafts are rejected: each proposal drafts from the same context
-            timings.append(time.perf_counter() - started)
-        self.sessions.end("warm-up")
-        self.draft_per_token_s = min(timings) / drafts
-
+        context_hash = TokenHistory(context).hash_at(len(context))
+        # The drafts are rejected: each proposal drafts from the same context.
+        seconds = fastest_runs({"propose": lambda: self.propose("warm-up", len(context), context_hash, [],
+                                                                PROBE_DRAFTS, SamplingParams(), 0)})
+        self.end_session("warm-up")
+        self.draft_per_token_s = seconds["propose"] / PROBE_DRAFTS

@@ -20,22 +20,19 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-import torch
-
-from drafter.engine import Proposal
+from drafter.proposer import Proposal
+from specmesh.decoding.sampling import SamplingParams, SparseDist
 from specmesh.runtime import models
 from specmesh.runtime.fingerprint import tokenizer_fingerprint
-from specmesh.wire.history import EMPTY_HASH, TokenHistory
 from specmesh.runtime.models import LoadedModel
-from specmesh.decoding.sampling import SamplingParams, SparseDist
-from specmesh.wire.contract import Cancelled
-from specmesh.worker.server import WorkerConfig, WorkerServer
-from specmesh.worker.session_store import SessionLimits, SessionStore
 from specmesh.runtime.tokenizer import load_tokenizer, tokenizer_dir
+from specmesh.wire.contract import Cancelled
+from specmesh.wire.history import EMPTY_HASH, TokenHistory
+from specmesh.worker.role import ModelDescription
+from specmesh.worker.session_store import SessionLimits, SessionStore
 
 
 DEFAULT_MIN_NGRAM = 1
@@ -138,28 +135,18 @@ class NgramIndex:
 # --------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class NgramModelInfo:
-    """The `.loaded` of an n-gram drafter: everything Info reports, nothing to run."""
+def ngram_description(name: str, vocab_size: int, eos_token_ids: tuple[int, ...], fingerprint: str,
+                      context_limit: int | None) -> ModelDescription:
+    """What an n-gram drafter reports in Info: the target's vocabulary (`vocab_size` is the target's logits width:
+    ids the verifier may emit, checked on every Propose), and no model runtime, device or weights of its own."""
+    return ModelDescription(name=name, vocab_size=vocab_size, fingerprint=fingerprint, eos_token_ids=eos_token_ids,
+                            device="cpu", dtype=NO_DTYPE, context_limit=context_limit)
 
-    name: str
-    tokenizer: Any
-    vocab_size: int  # the target's logits width: ids the verifier may emit, checked on every Propose
-    eos_token_ids: tuple[int, ...]
-    fingerprint: str
-    max_position_embeddings: int | None = None
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    dtype: str = NO_DTYPE
-    model: None = None
-    has_chat_template: bool = False
 
-    @classmethod
-    def from_loaded(cls, loaded: LoadedModel) -> "NgramModelInfo":
-        """Borrow tokenizer, vocab width and eos ids of an already loaded model (tests, embedding)."""
-        return cls(name=loaded.name, tokenizer=loaded.tokenizer, vocab_size=loaded.vocab_size,
-                   eos_token_ids=loaded.eos_token_ids, fingerprint=loaded.fingerprint,
-                   max_position_embeddings=getattr(loaded.model.config, "max_position_embeddings", None),
-                   has_chat_template=loaded.has_chat_template)
+def describe_loaded(loaded: LoadedModel) -> ModelDescription:
+    """Borrow tokenizer fingerprint, vocab width and eos ids of an already loaded model (tests, embedding)."""
+    return ngram_description(loaded.name, loaded.vocab_size, loaded.eos_token_ids, loaded.fingerprint,
+                             getattr(loaded.model.config, "max_position_embeddings", None))
 
 
 def _tokenizer_width(tokenizer) -> int:
@@ -195,8 +182,8 @@ def _config_value(config: dict | None, key: str):
     return value
 
 
-def load_ngram_info(spec: str, vocab_size: int | None = None, progress: bool = True) -> NgramModelInfo:
-    """The tokenizer of model `spec` (use the target's), its fingerprint, and the target's logits width.
+def describe_target(spec: str, vocab_size: int | None = None, progress: bool = True) -> ModelDescription:
+    """The description of model `spec` (use the target's) read from its tokenizer and config, without its weights.
 
     The width is `vocab_size` when given, else the model config's vocab_size (read without the weights; tiny presets
     use their padding rule), else the smallest width that holds every tokenizer id.
@@ -221,10 +208,8 @@ def load_ngram_info(spec: str, vocab_size: int | None = None, progress: bool = T
     for value in (getattr(tokenizer, "eos_token_id", None), _config_value(config, "eos_token_id")):
         if value is not None:
             eos.update(int(v) for v in (value if isinstance(value, (list, tuple)) else [value]))
-    return NgramModelInfo(name=spec, tokenizer=tokenizer, vocab_size=int(width), eos_token_ids=tuple(sorted(eos)),
-                          fingerprint=tokenizer_fingerprint(tokenizer),
-                          max_position_embeddings=int(max_positions) if max_positions else None,
-                          has_chat_template=bool(getattr(tokenizer, "chat_template", None)))
+    return ngram_description(spec, int(width), tuple(sorted(eos)), tokenizer_fingerprint(tokenizer),
+                             int(max_positions) if max_positions else None)
 
 
 # --------------------------------------------------------------------------
@@ -240,11 +225,13 @@ class NgramSession:
 
 
 class NgramEngine:
-    """DraftEngine's interface (propose / warm_up / loaded / sessions), drafting by prompt lookup."""
+    """A Proposer (drafter/proposer.py) drafting by prompt lookup."""
 
-    def __init__(self, loaded: NgramModelInfo, limits: SessionLimits = SessionLimits(),
+    draft_per_token_s = 0.0  # microseconds: nothing worth measuring
+
+    def __init__(self, description: ModelDescription, limits: SessionLimits = SessionLimits(),
                  config: NgramConfig = NgramConfig()) -> None:
-        self.loaded = loaded
+        self.description = description
         self.config = config
         self.sessions = SessionStore(limits, lambda: NgramSession(TokenHistory(), NgramIndex(config)))
         # Sync + lookup take microseconds: one lock keeps a session's history and index consistent under concurrent
@@ -264,46 +251,13 @@ class NgramEngine:
         dists = () if params.is_greedy else tuple(SparseDist((t,), (1.0,)) for t in tokens)
         return Proposal(tokens, dists, committed)
 
+    def end_session(self, session_id: str) -> bool:
+        return self.sessions.end(session_id)
+
     def warm_up(self) -> None:
         self.propose("warm-up", 0, EMPTY_HASH, [0, 1, 2, 0, 1], 2, SamplingParams(), 0)
-        self.sessions.end("warm-up")
+        self.end_session("warm-up")
 
 
-# --------------------------------------------------------------------------
-# the server: WorkerServer whose load() reads a tokenizer instead of model weights
-# --------------------------------------------------------------------------
-
-
-class NgramWorkerServer(WorkerServer):
-    """A drafter WorkerServer that never loads model weights: it builds an NgramModelInfo from the tokenizer, and
-    WorkerServer.load does the rest (context limit, warm-up, metrics, SERVING).
-
-    `preloaded` may be an NgramModelInfo, or a LoadedModel whose tokenizer and vocabulary width are borrowed.
-    """
-
-    def __init__(self, config: WorkerConfig, engine_factory: Callable, servicer_factory: Callable,
-                 add_servicer: Callable, service_name: str,
-                 preloaded: NgramModelInfo | LoadedModel | None = None, vocab_size: int | None = None) -> None:
-        super().__init__(config, engine_factory, servicer_factory, add_servicer, service_name, None)
-        self._ngram_preloaded = preloaded
-        self._vocab_size = vocab_size
-
-    def obtain_model(self) -> NgramModelInfo:
-        preloaded = self._ngram_preloaded
-        if isinstance(preloaded, NgramModelInfo):
-            info = preloaded
-        elif isinstance(preloaded, LoadedModel):
-            info = NgramModelInfo.from_loaded(preloaded)
-        else:
-            info = load_ngram_info(self.config.model, self._vocab_size)
-        if self._vocab_size is not None and info.vocab_size != self._vocab_size:
-            info = replace(info, vocab_size=self._vocab_size)
-        return info
-
-    @staticmethod
-    def context_limit(info: NgramModelInfo) -> int | None:
-        return info.max_position_embeddings
-
-
-__all__ = ["NgramConfig", "NgramEngine", "NgramIndex", "NgramModelInfo", "NgramSession", "NgramWorkerServer",
-           "continue_from", "load_ngram_info", "lookup"]
+__all__ = ["NgramConfig", "NgramEngine", "NgramIndex", "NgramSession", "continue_from", "describe_loaded",
+           "describe_target", "lookup", "ngram_description"]

@@ -1,20 +1,26 @@
-"""The Drafter gRPC service."""
+"""The Drafter gRPC service and the drafter's role on the worker server."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import dataclasses
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+import grpc
+
+from drafter.config import DrafterConfig
 from drafter.engine import DraftEngine
-from drafter.ngram import (DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, NgramConfig, NgramEngine, NgramModelInfo,
-                           NgramWorkerServer)
+from drafter.ngram import NgramEngine, describe_loaded, describe_target
+from drafter.proposer import Proposer
 from specmesh.ops import metrics
+from specmesh.runtime.engine import as_engine
 from specmesh.runtime.models import LoadedModel
-from specmesh.worker.server import WorkerConfig, WorkerServer, WorkerServicerBase, rpc, serving
 from specmesh.v1 import specmesh_pb2 as pb
 from specmesh.v1 import specmesh_pb2_grpc as pb_grpc
 from specmesh.wire.convert import dists_to_wire
 from specmesh.wire.validation import check_context, sampling_from_wire
+from specmesh.worker.config import FaultInjection, ModelConfig, ServerConfig, split_options
+from specmesh.worker.server import WorkerServer, WorkerServicerBase, rpc, serving
 
 SERVICE_NAME = "specmesh.v1.Drafter"
 
@@ -22,18 +28,18 @@ SERVICE_NAME = "specmesh.v1.Drafter"
 class DrafterServicer(WorkerServicerBase, pb_grpc.DrafterServicer):
     @rpc
     def Propose(self, request: pb.ProposeRequest, context) -> pb.ProposeResponse:
-        engine: DraftEngine | NgramEngine = self.engine
+        proposer: Proposer = self.engine
         config = self.worker.config
         session_key = self.session_key(request.session_id, context)
         if not 1 <= request.num_tokens <= config.max_draft_tokens:
             raise ValueError(f"num_tokens must be in 1..{config.max_draft_tokens}, got {request.num_tokens}")
         new_tokens = list(request.context.new_tokens)
-        check_context(request.context.base_length, new_tokens, engine.loaded.vocab_size,
+        check_context(request.context.base_length, new_tokens, proposer.description.vocab_size,
                       self.worker.max_context_length - request.num_tokens)
         params = sampling_from_wire(request.sampling.temperature, request.sampling.top_k, request.sampling.top_p)
         self.before_work(context)
-        proposal = engine.propose(session_key, request.context.base_length, request.context.base_hash,
-                                  new_tokens, request.num_tokens, params, request.seed, is_active=context.is_active)
+        proposal = proposer.propose(session_key, request.context.base_length, request.context.base_hash,
+                                    new_tokens, request.num_tokens, params, request.seed, is_active=context.is_active)
         metrics.DRAFT_TOKENS_PROPOSED.inc(len(proposal.tokens))
         return pb.ProposeResponse(
             tokens=list(proposal.tokens),
@@ -41,43 +47,61 @@ class DrafterServicer(WorkerServicerBase, pb_grpc.DrafterServicer):
             committed_length=proposal.committed_length)
 
 
-METHODS = ("model", "ngram")
+def model_proposer(config: DrafterConfig, server: ServerConfig, preloaded: LoadedModel | None) -> Proposer:
+    """The draft model config.model, on a KV cache per session."""
+    loaded = as_engine(preloaded) if preloaded is not None else config.model.load(server)
+    return DraftEngine(loaded, server.limits)
 
 
-def build_server(config: WorkerConfig, preloaded: LoadedModel | NgramModelInfo | None = None, *,
-                 method: str = "model", vocab_size: int | None = None, ngram_min: int | None = None,
-                 ngram_max: int | None = None) -> WorkerServer:
-    """A drafter server. method "model": a draft model (config.model) on a KV cache; method "ngram": prompt lookup,
-    no weights loaded, config.model only names the tokenizer (use the target's), vocab_size overrides the logits width
-    reported to the coordinator, ngram_min/ngram_max bound the matched n-gram length."""
-    if method == "model":
-        given = [name for name, value in (("vocab_size", vocab_size), ("ngram_min", ngram_min),
-                                          ("ngram_max", ngram_max)) if value is not None]
-        if given:
-            raise ValueError(f"{', '.join(given)} only apply to the ngram method (--method ngram)")
-        if isinstance(preloaded, NgramModelInfo):
-            raise ValueError("the model method needs a loaded model, not an NgramModelInfo")
-        return WorkerServer(config, lambda loaded, server: DraftEngine(loaded, server.config.limits), DrafterServicer,
-                            pb_grpc.add_DrafterServicer_to_server, SERVICE_NAME, preloaded)
-    if method == "ngram":
-        ngram = NgramConfig(min_ngram=ngram_min if ngram_min is not None else DEFAULT_MIN_NGRAM,
-                            max_ngram=ngram_max if ngram_max is not None else DEFAULT_MAX_NGRAM)
-        return NgramWorkerServer(config, lambda info, server: NgramEngine(info, server.config.limits, ngram),
-                                 DrafterServicer, pb_grpc.add_DrafterServicer_to_server, SERVICE_NAME, preloaded,
-                                 vocab_size=vocab_size)
-    raise ValueError(f"unknown drafting method {method!r}; expected one of {', '.join(METHODS)}")
+def ngram_proposer(config: DrafterConfig, server: ServerConfig, preloaded: LoadedModel | None) -> Proposer:
+    """Prompt lookup: no weights loaded; config.model only names the tokenizer (the target's), and a preloaded model
+    only lends its tokenizer and vocabulary width."""
+    if preloaded is None:
+        description = describe_target(config.model.model, config.vocab_size)
+    else:
+        description = describe_loaded(preloaded)
+        if config.vocab_size is not None:
+            description = dataclasses.replace(description, vocab_size=config.vocab_size)
+    return NgramEngine(description, server.limits, config.ngram_config())
+
+
+# One per drafting method (drafter/config.py METHODS).
+PROPOSERS: dict[str, Callable[[DrafterConfig, ServerConfig, LoadedModel | None], Proposer]] = {
+    "model": model_proposer, "ngram": ngram_proposer}
+
+
+class DrafterRole:
+    """The drafter on the worker server (a WorkerRole, specmesh/worker/role.py)."""
+
+    name = "drafter"
+    service_name = SERVICE_NAME
+
+    def __init__(self, config: DrafterConfig, preloaded: LoadedModel | None = None) -> None:
+        self.config = config
+        self._preloaded = preloaded  # tests and embedding: a model already in memory instead of config.model
+
+    def add_servicer(self, worker: WorkerServer, server: grpc.Server) -> None:
+        pb_grpc.add_DrafterServicer_to_server(DrafterServicer(worker), server)
+
+    def build_engine(self, config: ServerConfig) -> Proposer:
+        return PROPOSERS[self.config.method](self.config, config, self._preloaded)
+
+    def info_fields(self, engine: Proposer) -> dict[str, float]:
+        return {"draft_per_token_s": engine.draft_per_token_s}
 
 
 @contextmanager
-def run_server(model: str | LoadedModel | NgramModelInfo, port: int = 0, method: str = "model",
-               vocab_size: int | None = None, ngram_min: int | None = None, ngram_max: int | None = None,
-               **options) -> Iterator[WorkerServer]:
-    """A started, warmed-up drafter on `port` (0 = ephemeral); stopped on exit. For tests and embedding.
+def run_server(model: str | LoadedModel, port: int = 0, method: str = "model", vocab_size: int | None = None,
+               ngram_min: int | None = None, ngram_max: int | None = None, **options) -> Iterator[WorkerServer]:
+    """A started, warmed-up drafter on `port` (0 = ephemeral); stopped on exit. For tests and embedding. `options`:
+    fields of ServerConfig, ModelConfig (but `model`) and FaultInjection.
 
     With method="ngram", `model` names (or is) the target whose tokenizer the drafter uses; no weights are loaded."""
-    preloaded = model if isinstance(model, (LoadedModel, NgramModelInfo)) else None
-    config = WorkerConfig(model=preloaded.name if preloaded else model, role="drafter", port=port, **options)
-    server = build_server(config, preloaded, method=method, vocab_size=vocab_size, ngram_min=ngram_min,
-                          ngram_max=ngram_max)
+    preloaded = model if isinstance(model, LoadedModel) else None
+    server_options, model_options, faults = split_options(options, ServerConfig, ModelConfig, FaultInjection)
+    config = DrafterConfig(ModelConfig(preloaded.name if preloaded else model, **model_options), method=method,
+                           vocab_size=vocab_size, ngram_min=ngram_min, ngram_max=ngram_max)
+    server = WorkerServer(DrafterRole(config, preloaded), ServerConfig(port=port, **server_options),
+                          FaultInjection(**faults))
     with serving(server) as server:
         yield server

@@ -15,14 +15,17 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from specmesh.ops import metrics
 from specmesh.decoding.acceptance import Verdict, decide
-from specmesh.runtime.batched_forward import MAX_BATCHED_FRESH_TOKENS, fresh_length
-from specmesh.wire.history import EMPTY_HASH, TokenHistory
-from specmesh.runtime.engine import ModelEngine, as_engine
 from specmesh.decoding.sampling import SamplingParams, SparseDist
+from specmesh.ops import metrics
+from specmesh.runtime.batched_forward import MAX_BATCHED_FRESH_TOKENS, fresh_length
+from specmesh.runtime.engine import ModelEngine, as_engine
 from specmesh.wire.contract import Cancelled
+from specmesh.wire.history import EMPTY_HASH, TokenHistory
+from specmesh.worker.cost_probe import PROBE_DRAFTS, fastest_runs, probe_context
+from specmesh.worker.role import ModelDescription
 from specmesh.worker.session_store import Session, SessionLimits, SessionStore, kv_sessions
+from verifier.config import BatchingConfig
 
 
 @dataclass(frozen=True)
@@ -51,16 +54,15 @@ class _Request:
 
 
 class VerifyEngine:
-    def __init__(self, loaded: ModelEngine, limits: SessionLimits = SessionLimits(), max_batch_size: int = 8,
-                 max_batch_wait_s: float = 0.02) -> None:
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
-        if not 0 <= max_batch_wait_s <= 10:
-            raise ValueError(f"max_batch_wait_s must be in 0..10, got {max_batch_wait_s}")
-        self.max_batch_wait_s = max_batch_wait_s
+    """The verifier's engine (a WorkerEngine, specmesh/worker/role.py): Verify calls, batched across sessions."""
+
+    def __init__(self, loaded: ModelEngine, limits: SessionLimits = SessionLimits(),
+                 batching: BatchingConfig = BatchingConfig()) -> None:
+        self.max_batch_wait_s = batching.max_batch_wait_s
         self.loaded = loaded = as_engine(loaded)  # the model engine: transformers or llama.cpp
+        self.description = ModelDescription.of(loaded)
         self.sessions = SessionStore(limits, kv_sessions(loaded))
-        self.max_batch_size = min(max_batch_size, loaded.max_batch_size)
+        self.max_batch_size = min(batching.max_batch_size, loaded.max_batch_size)
         self._model_lock = threading.Lock()  # one forward pass at a time
         self._queue_lock = threading.Lock()
         self._arrived = threading.Condition(self._queue_lock)  # notified when a request is queued
@@ -208,20 +210,18 @@ class VerifyEngine:
         self.end_session("warm-up")
         self.verify_base_s, self.verify_per_draft_s = self._measure_costs()
 
-    def _measure_costs(self, drafts: int = 4, repeats: int = 3) -> tuple[float, float]:
-        """Seconds of a verify without drafts, and per extra draft, on a short context: the fastest of a few runs
-        (the fastest is the one least disturbed by whatever else the machine was doing)."""
-        context = [(7 * i + 3) % max(self.loaded.vocab_size, 1) for i in range(32)]
+    def _measure_costs(self) -> tuple[float, float]:
+        """Seconds of a verify without drafts, and per extra draft, on a short context."""
+        context = probe_context(self.loaded.vocab_size)
         self.verify("cost-probe", 0, EMPTY_HASH, context, [], [], SamplingParams(), 0)
         history = TokenHistory(context)
-        timings = {0: [], drafts: []}
-        for _ in range(repeats):
-            for k in timings:
-                base = len(history)
-                started = time.perf_counter()
-                outcome = self.verify("cost-probe", base, history.hash_at(base), [], [1] * k, [], SamplingParams(), 0)
-                timings[k].append(time.perf_counter() - started)
-                history.extend([1] * outcome.verdict.accepted + [outcome.verdict.next_token])
+
+        def verify(drafts: int) -> None:
+            base = len(history)
+            outcome = self.verify("cost-probe", base, history.hash_at(base), [], [1] * drafts, [], SamplingParams(), 0)
+            history.extend([1] * outcome.verdict.accepted + [outcome.verdict.next_token])
+
+        seconds = fastest_runs({0: lambda: verify(0), PROBE_DRAFTS: lambda: verify(PROBE_DRAFTS)})
         self.end_session("cost-probe")
-        base_s = min(timings[0])
-        return base_s, max(min(timings[drafts]) - base_s, 0.0) / drafts
+        base_s = seconds[0]
+        return base_s, max(seconds[PROBE_DRAFTS] - base_s, 0.0) / PROBE_DRAFTS

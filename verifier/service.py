@@ -1,16 +1,20 @@
-"""The Verifier gRPC service."""
+"""The Verifier gRPC service and the verifier's role on the worker server."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import grpc
+
+from specmesh.runtime.engine import as_engine
 from specmesh.runtime.models import LoadedModel
-from specmesh.worker.server import WorkerConfig, WorkerServer, WorkerServicerBase, rpc, serving
 from specmesh.v1 import specmesh_pb2 as pb
 from specmesh.v1 import specmesh_pb2_grpc as pb_grpc
-from specmesh.wire.validation import (check_context, check_token_ids, dist_from_wire,
-                                 sampling_from_wire)
+from specmesh.wire.validation import check_context, check_token_ids, dist_from_wire, sampling_from_wire
+from specmesh.worker.config import FaultInjection, ModelConfig, ServerConfig, split_options
+from specmesh.worker.server import WorkerServer, WorkerServicerBase, rpc, serving
+from verifier.config import BatchingConfig, VerifierConfig
 from verifier.engine import VerifyEngine
 
 SERVICE_NAME = "specmesh.v1.Verifier"
@@ -20,7 +24,7 @@ class VerifierServicer(WorkerServicerBase, pb_grpc.VerifierServicer):
     @rpc
     def Verify(self, request: pb.VerifyRequest, context) -> pb.VerifyResponse:
         engine: VerifyEngine = self.engine
-        vocab_size = engine.loaded.vocab_size
+        vocab_size = engine.description.vocab_size
         session_key = self.session_key(request.session_id, context)
         drafts = list(request.draft_tokens)
         if len(drafts) > self.worker.config.max_draft_tokens:
@@ -47,16 +51,37 @@ class VerifierServicer(WorkerServicerBase, pb_grpc.VerifierServicer):
                                  committed_length=outcome.committed_length)
 
 
-def build_server(config: WorkerConfig, preloaded: LoadedModel | None = None) -> WorkerServer:
-    return WorkerServer(config, lambda loaded, server: VerifyEngine(loaded, server.config.limits, server.config.max_batch_size,
-                                                            server.config.max_batch_wait_s), VerifierServicer,
-                        pb_grpc.add_VerifierServicer_to_server, SERVICE_NAME, preloaded)
+class VerifierRole:
+    """The verifier on the worker server (a WorkerRole, specmesh/worker/role.py)."""
+
+    name = "verifier"
+    service_name = SERVICE_NAME
+
+    def __init__(self, config: VerifierConfig, preloaded: LoadedModel | None = None) -> None:
+        self.config = config
+        self._preloaded = preloaded  # tests and embedding: a model already in memory instead of config.model
+
+    def add_servicer(self, worker: WorkerServer, server: grpc.Server) -> None:
+        pb_grpc.add_VerifierServicer_to_server(VerifierServicer(worker), server)
+
+    def build_engine(self, config: ServerConfig) -> VerifyEngine:
+        loaded = as_engine(self._preloaded) if self._preloaded is not None else self.config.model.load(config)
+        return VerifyEngine(loaded, config.limits, self.config.batching)
+
+    def info_fields(self, engine: VerifyEngine) -> dict[str, float]:
+        return {"verify_base_s": engine.verify_base_s, "verify_per_draft_s": engine.verify_per_draft_s}
 
 
 @contextmanager
 def run_server(model: str | LoadedModel, port: int = 0, **options) -> Iterator[WorkerServer]:
-    """A started, warmed-up verifier on `port` (0 = ephemeral); stopped on exit. For tests and embedding."""
+    """A started, warmed-up verifier on `port` (0 = ephemeral); stopped on exit. For tests and embedding. `options`:
+    fields of ServerConfig, ModelConfig (but `model`), BatchingConfig and FaultInjection."""
     preloaded = model if isinstance(model, LoadedModel) else None
-    config = WorkerConfig(model=preloaded.name if preloaded else model, role="verifier", port=port, **options)
-    with serving(build_server(config, preloaded)) as server:
+    server_options, model_options, batching, faults = split_options(options, ServerConfig, ModelConfig,
+                                                                    BatchingConfig, FaultInjection)
+    config = VerifierConfig(ModelConfig(preloaded.name if preloaded else model, **model_options),
+                            BatchingConfig(**batching))
+    server = WorkerServer(VerifierRole(config, preloaded), ServerConfig(port=port, **server_options),
+                          FaultInjection(**faults))
+    with serving(server) as server:
         yield server

@@ -49,6 +49,7 @@ class ModelEngine(Protocol):
     context_limit: int | None  # longest sequence one session may hold
     max_batch_size: int  # sessions one forward pass can serve (1: no cross-session batching)
     weights_bytes: int  # memory of the weights as loaded
+    linear_backend: str  # CPU linear layers, "onednn" or "torch" (specmesh/runtime/onednn.py); "" if no such choice
 
     def new_sequence(self) -> CachedTokens: ...
 

@@ -102,6 +102,7 @@ class LlamaSequence:
 
 class LlamaCppEngine:
     engine = "llamacpp"
+    linear_backend = ""  # llama.cpp's own kernels: no choice of linear layers to make
 
     def __init__(self, spec: str, path: Path, tokenizer, fingerprint: str, *, device: str = "cpu",
                  threads: int | None = None, max_sessions: int = 64, context_length: int | None = None,

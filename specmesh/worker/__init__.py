@@ -1,4 +1,5 @@
-"""The gRPC worker server the drafter and the verifier both run on: the session store (one KV-cached sequence per
+"""The gRPC worker server the drafter and the verifier run on: the session store (one KV-cached sequence per
 client session, limits, expiry and eviction), the server itself (health, Info, auth and concurrency interceptors,
-graceful drain, forwards on the process's main thread) and the command line every worker shares. Each role brings
-its own engine and servicer (drafter/, verifier/)."""
+graceful drain, forwards on the process's main thread), its settings (config.py), the warm-up cost probe and the
+command line every worker shares. A role (drafter/, verifier/) plugs in through one small seam (role.py): it
+registers its servicer, builds its engine, and names the Info fields only it has."""

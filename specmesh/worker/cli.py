@@ -12,6 +12,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from specmesh.ops import config as flag_config
 from specmesh.runtime import onednn
@@ -24,7 +25,8 @@ from specmesh.ops.metrics import serve_metrics
 from specmesh.runtime import model_thread
 from specmesh.runtime.engine import ENGINES
 from specmesh.wire.security import TlsFiles, exposure_warning, load_token
-from specmesh.worker.server import WorkerConfig, WorkerServer
+from specmesh.worker.config import FaultInjection, ModelConfig, ServerConfig
+from specmesh.worker.role import WorkerRole
 from specmesh.worker.session_store import SessionLimits
 
 
@@ -71,75 +73,53 @@ def add_serve_arguments(parser: argparse.ArgumentParser, default_model: str) -> 
     add_server_security_flags(parser.add_argument_group("security"))
 
 
-def add_drafter_arguments(parser: argparse.ArgumentParser) -> None:
-    """Drafter-only flags: how drafts are made."""
-    group = parser.add_argument_group("drafting method (drafter only)")
-    group.add_argument("--method", choices=("model", "ngram"), default="model",
-                       help="model: run the draft model --model; ngram: prompt lookup (copy what followed the latest "
-                       "earlier occurrence of the last n tokens), no weights loaded, --model then only names the "
-                       "tokenizer: give the target's")
-    group.add_argument("--vocab-size", type=int, default=None,
-                       help="ngram: logits width reported to the coordinator (default: the --model config's "
-                       "vocab_size, else the tokenizer's size); must not exceed the verifier's")
-    group.add_argument("--ngram-max", type=int, default=None, help="ngram: longest n-gram matched (default: 3)")
-    group.add_argument("--ngram-min", type=int, default=None, help="ngram: shortest n-gram matched (default: 1)")
+@dataclass(frozen=True)
+class RoleCommand:
+    """What `<role> serve` adds to the flags every worker shares."""
+
+    name: str  # "drafter" or "verifier": the program, its config file section, its logs
+    default_model: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]  # the role's own flags
+    make_role: Callable[[argparse.Namespace, ModelConfig], WorkerRole]  # the role from the parsed flags
 
 
-def add_verifier_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("batching (verifier only)")
-    group.add_argument("--max-batch-size", type=int, default=8,
-                       help="Verify calls of different sessions that arrive while the model is busy run together in "
-                       "one forward pass of up to this many sessions; 1 turns cross-session batching off")
-    group.add_argument("--max-batch-wait", type=float, default=0.02,
-                       help="seconds a forward pass may wait for recently answered sessions to send their next call, "
-                       "so that they join it instead of alternating with it; 0 never waits")
-
-
-def build_parser(role: str, default_model: str) -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+def build_parser(command: RoleCommand) -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     """The `drafter` or `verifier` command's parser and its `serve` subcommand's."""
+    role = command.name
     parser = argparse.ArgumentParser(prog=role, description=f"specmesh {role} service", allow_abbrev=False,
                                      formatter_class=DefaultsHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help=f"run the {role} gRPC service", allow_abbrev=False,
                                 formatter_class=DefaultsHelpFormatter)
-    add_serve_arguments(serve, default_model)
-    if role == "drafter":
-        add_drafter_arguments(serve)
-    else:
-        add_verifier_arguments(serve)
+    add_serve_arguments(serve, command.default_model)
+    command.add_arguments(serve)
     add_config_argument(serve)
     return parser, serve
 
 
-def serve_main(role: str, build_server: Callable[..., WorkerServer], default_model: str,
-               argv: list[str] | None = None) -> int:
-    parser, serve = build_parser(role, default_model)
+def serve_main(command: RoleCommand, argv: list[str] | None = None) -> int:
+    role = command.name
+    parser, serve = build_parser(command)
     argv = sys.argv[1:] if argv is None else argv
     # Flags also come from SPECMESH_* variables and a --config TOML file (specmesh/ops/config.py).
     flag_config.apply(serve, role, flag_config.load(flag_config.config_file(argv[1:])))
     args = parser.parse_args(argv)
-    # Passed to build_server as keywords, so the verifier's build_server never sees drafter options.
-    options = dict(method=args.method, vocab_size=args.vocab_size, ngram_min=args.ngram_min,
-                   ngram_max=args.ngram_max) if role == "drafter" else {}
     configure_logging(role, args.log_format, args.log_level)
     try:
         tls = TlsFiles(cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca) if (args.tls_cert or args.tls_ca) else None
         token = load_token(args.token_file)
-        config = WorkerConfig(model=args.model, role=role, host=args.host, port=args.port, device=args.device,
-                              dtype=args.dtype, threads=args.threads, linear_backend=args.linear_backend,
-                              engine=args.engine,
+        config = ServerConfig(host=args.host, port=args.port, tls=tls, token=token,
+                              max_message_bytes=args.max_message_bytes, max_concurrent_rpcs=args.max_concurrent_rpcs,
                               limits=SessionLimits(max_sessions=args.max_sessions, idle_ttl_s=args.session_ttl,
                                                    max_cache_bytes=args.max_cache_bytes),
-                              max_draft_tokens=args.max_draft_tokens, max_context_length=args.max_context_length,
-                              inject_latency_s=args.inject_latency, tls=tls, token=token,
-                              max_message_bytes=args.max_message_bytes,
-                              max_concurrent_rpcs=args.max_concurrent_rpcs,
-                              max_batch_size=getattr(args, "max_batch_size", 1),
-                              max_batch_wait_s=getattr(args, "max_batch_wait", 0.0))
+                              max_draft_tokens=args.max_draft_tokens, max_context_length=args.max_context_length)
+        model = ModelConfig(model=args.model, engine=args.engine, device=args.device, dtype=args.dtype,
+                            linear_backend=args.linear_backend, threads=args.threads)
+        faults = FaultInjection(inject_latency_s=args.inject_latency)
         warning = exposure_warning(args.host, tls, token)
         if warning:
             print(warning, file=sys.stderr, flush=True)
-        server = build_server(config, **options)
+        server = WorkerServer(command.make_role(args, model), config, faults)
     except (ValueError, OSError) as e:
         print(f"{role}: error: {e}", file=sys.stderr)
         return 2

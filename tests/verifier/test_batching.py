@@ -21,6 +21,7 @@ from specmesh.runtime.kv_cache import CachedSequence
 from specmesh.decoding.sampling import SamplingParams
 from specmesh.wire.contract import Cancelled
 from tests.helpers import reference_greedy
+from verifier.config import BatchingConfig
 from verifier.engine import VerifyEngine
 from verifier.service import run_server as run_verifier
 
@@ -69,6 +70,10 @@ def test_batched_logits_refuses_a_sequence_twice(tiny_target):
         batched_logits(tiny_target.model, [sequence, sequence], [[1, 2], [1, 2]], [1, 1])
 
 
+def batching_engine(model, max_batch_size: int, **batching) -> VerifyEngine:
+    return VerifyEngine(model, batching=BatchingConfig(max_batch_size=max_batch_size, **batching))
+
+
 def queued_together(engine: VerifyEngine, calls: list[tuple]) -> list:
     """Run `calls` (verify arguments) from threads while the model is held, so that all of them queue up and the
     next forward pass takes them together. Returns each call's outcome or exception."""
@@ -98,7 +103,7 @@ def greedy_call(session: str, prompt: list[int], drafts: list[int]) -> tuple:
 
 
 def test_engine_batches_queued_sessions_and_each_gets_its_own_answer(tiny_target):
-    engine, alone = VerifyEngine(tiny_target, max_batch_size=8), VerifyEngine(tiny_target, max_batch_size=1)
+    engine, alone = batching_engine(tiny_target, 8), batching_engine(tiny_target, 1)
     rng = random.Random(3)
     vocab = tiny_target.vocab_size
     calls = [greedy_call(f"s{i}", [rng.randrange(vocab) for _ in range(5 + 3 * i)],
@@ -110,16 +115,16 @@ def test_engine_batches_queued_sessions_and_each_gets_its_own_answer(tiny_target
 
 
 def test_one_bad_request_fails_alone(tiny_target):
-    engine = VerifyEngine(tiny_target, max_batch_size=8)
+    engine = batching_engine(tiny_target, 8)
     good = greedy_call("good", [1, 2, 3], [4])
     unknown = ("never-started", 3, 12345, [5], [6], [], SamplingParams(), 0)  # not a full history: must resync
     got = queued_together(engine, [good, unknown])
     assert isinstance(got[1], ResyncRequired)
-    assert got[0] == VerifyEngine(tiny_target, max_batch_size=1).verify(*good)
+    assert got[0] == batching_engine(tiny_target, 1).verify(*good)
 
 
 def test_calls_of_one_session_run_in_order_not_together(tiny_target):
-    engine = VerifyEngine(tiny_target, max_batch_size=8)
+    engine = batching_engine(tiny_target, 8)
     first = greedy_call("same", [1, 2, 3], [])
     # The second call carries the first call's outcome as its base: it only works if the first ran before it.
     expected_first = VerifyEngine(tiny_target).verify(*first)
@@ -131,7 +136,7 @@ def test_calls_of_one_session_run_in_order_not_together(tiny_target):
 
 
 def test_long_prompt_is_prefilled_on_its_own(tiny_target):
-    engine, alone = VerifyEngine(tiny_target, max_batch_size=8), VerifyEngine(tiny_target, max_batch_size=1)
+    engine, alone = batching_engine(tiny_target, 8), batching_engine(tiny_target, 1)
     calls = [greedy_call("long", list(range(MAX_BATCHED_FRESH_TOKENS + 20)), [7, 8]),
              greedy_call("short", [3, 4, 5], [6])]
     assert queued_together(engine, calls) == [alone.verify(*call) for call in calls]
@@ -172,7 +177,7 @@ def test_concurrent_generations_over_grpc_equal_reference_greedy(tiny_target, ti
 
 
 def test_a_caller_gone_while_queued_costs_no_forward_pass(tiny_target):
-    engine = VerifyEngine(tiny_target, max_batch_size=8)
+    engine = batching_engine(tiny_target, 8)
     gone = ("gone", 0, EMPTY_HASH, [1, 2, 3], [4], [], SamplingParams(), 0, lambda: False)
     here = greedy_call("here", [1, 2, 3], [4])
     got = queued_together(engine, [gone, here])
@@ -199,7 +204,7 @@ def decode_steps(engine: VerifyEngine, session: str, prompt: list[int], steps: i
 def test_active_sessions_are_waited_for_instead_of_alternating(tiny_target):
     """Two sessions calling back right after each answer: with a short wait window they share passes (without it they
     tend to alternate: one runs while the other queues); outputs stay each session's own greedy decoding."""
-    engine = VerifyEngine(tiny_target, max_batch_size=8, max_batch_wait_s=0.2)
+    engine = batching_engine(tiny_target, 8, max_batch_wait_s=0.2)
     prompts = [[5, 6, 7], [9, 10, 11, 12]]
     before_pairs, before_all = batched_passes_of_at_least(2), batched_passes_of_at_least(1)
     with ThreadPoolExecutor(2) as pool:

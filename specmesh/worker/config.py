@@ -1,0 +1,95 @@
+"""A worker's settings, one frozen dataclass per concern, each validated on construction.
+
+ServerConfig is what every worker shares whatever its role (where it listens, who may call it, how much it accepts);
+ModelConfig is which model a worker runs and how; FaultInjection holds the test-only knobs, kept out of both so that
+a production configuration never carries them. Each role adds its own settings (drafter/config.py,
+verifier/config.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from specmesh.runtime import onednn
+from specmesh.runtime.engine import ENGINES, ModelEngine, load_engine
+from specmesh.wire.limits import DEFAULT_MAX_DRAFT_TOKENS
+from specmesh.wire.security import TlsFiles
+from specmesh.worker.session_store import SessionLimits
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 0
+    tls: TlsFiles | None = None  # server certificate (+ CA: require client certificates, mutual TLS)
+    token: str | None = None  # bearer token every non-health RPC must carry
+    max_message_bytes: int = 4 * 1024 * 1024
+    max_concurrent_rpcs: int = 64  # beyond this, calls are answered RESOURCE_EXHAUSTED
+    limits: SessionLimits = field(default_factory=SessionLimits)
+    max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS  # the largest k a Propose may ask for or a Verify may carry
+    max_context_length: int | None = None  # None: the model's own limit
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.max_draft_tokens < 1:
+            raise ValueError(f"max_draft_tokens must be >= 1, got {self.max_draft_tokens}")
+        if self.max_message_bytes < 1024:
+            raise ValueError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
+        if self.max_concurrent_rpcs < 1:
+            raise ValueError(f"max_concurrent_rpcs must be >= 1, got {self.max_concurrent_rpcs}")
+        if self.token is not None and len(self.token) < 16:
+            raise ValueError("the bearer token must be at least 16 characters")
+        if self.max_context_length is not None and self.max_context_length < 2:
+            raise ValueError(f"max_context_length must be >= 2, got {self.max_context_length}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str  # a model spec (specmesh/runtime/models.py)
+    engine: str = "auto"  # "transformers", "llamacpp", or auto: llama.cpp for GGUF models on CPU (specmesh/runtime)
+    device: str = "auto"
+    dtype: str = "auto"
+    linear_backend: str = "auto"  # CPU: "onednn" pre-packs linear layers (specmesh/runtime/onednn.py), "torch" does not
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if self.linear_backend not in onednn.BACKENDS:
+            raise ValueError(f"linear_backend must be one of {', '.join(onednn.BACKENDS)}, "
+                             f"got {self.linear_backend!r}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+
+    def load(self, server: ServerConfig) -> ModelEngine:
+        """The model on its engine, sized for the server's sessions and context (llama.cpp allocates its KV cells
+        for them up front)."""
+        return load_engine(self.model, engine=self.engine, device=self.device, dtype=self.dtype,
+                           linear_backend=self.linear_backend, threads=self.threads,
+                           max_sessions=server.limits.max_sessions, context_length=server.max_context_length)
+
+
+@dataclass(frozen=True)
+class FaultInjection:
+    inject_latency_s: float = 0.0  # every Propose/Verify first waits this long: a slow worker (chaos tests)
+
+    def __post_init__(self) -> None:
+        if not self.inject_latency_s >= 0:
+            raise ValueError(f"inject_latency_s must be >= 0, got {self.inject_latency_s}")
+
+
+def split_options(options: Mapping[str, Any], *configs: type) -> list[dict[str, Any]]:
+    """`options` (flat keyword arguments, as run_server takes them) split by which of the dataclasses `configs` has
+    a field of that name: one dict per class, in order. A name no class has is a TypeError, as for any function."""
+    parts: list[dict[str, Any]] = [{} for _ in configs]
+    for name, value in options.items():
+        owner = next((i for i, config in enumerate(configs)
+                      if name in {f.name for f in dataclasses.fields(config)}), None)
+        if owner is None:
+            raise TypeError(f"unexpected option {name!r}")
+        parts[owner][name] = value
+    return parts

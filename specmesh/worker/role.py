@@ -1,0 +1,73 @@
+"""The seam between the worker server and a role (drafter/, verifier/).
+
+The server owns everything roles share: the port, health, auth, Info and EndSession, metrics, draining. A role says
+what it serves (WorkerRole): it registers its servicer and builds its engine, and names the Info fields only it has.
+Its engine (WorkerEngine) tells the server what it runs (ModelDescription), holds the sessions, warms up and forgets
+sessions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from specmesh.runtime.engine import ModelEngine
+from specmesh.worker.config import ServerConfig
+from specmesh.worker.session_store import SessionStore
+
+if TYPE_CHECKING:
+    import grpc
+
+    from specmesh.worker.server import WorkerServer
+
+
+@dataclass(frozen=True)
+class ModelDescription:
+    """What a worker reports about what it runs (Info and its log), whether a model engine or a tokenizer alone."""
+
+    name: str  # the model spec
+    vocab_size: int  # logits width: the token ids a request may carry
+    fingerprint: str  # of the tokenizer: a drafter and a verifier must agree on it
+    eos_token_ids: tuple[int, ...]
+    device: str
+    dtype: str
+    context_limit: int | None  # longest history one session may hold; None: no limit of its own
+    engine: str = ""  # the model runtime; "" when no model runs
+    weights_bytes: int = 0
+    linear_backend: str = ""  # CPU linear layers ("onednn", "torch"); "" when the runtime has none to choose
+
+    @classmethod
+    def of(cls, engine: ModelEngine) -> "ModelDescription":
+        return cls(name=engine.name, vocab_size=engine.vocab_size, fingerprint=engine.fingerprint,
+                   eos_token_ids=tuple(engine.eos_token_ids), device=engine.device, dtype=engine.dtype,
+                   context_limit=engine.context_limit, engine=engine.engine, weights_bytes=engine.weights_bytes,
+                   linear_backend=engine.linear_backend)
+
+
+class WorkerEngine(Protocol):
+    """What the server needs of any role's engine."""
+
+    description: ModelDescription
+    sessions: SessionStore  # counted and sized for Info and the metrics
+
+    def warm_up(self) -> None:
+        """Run the first (slow) calls before the worker reports SERVING, and measure what the role's Info reports."""
+
+    def end_session(self, session_id: str) -> bool:
+        """Forget a session; False when it was not held."""
+
+
+class WorkerRole(Protocol):
+    """What a role brings to the server."""
+
+    name: str  # "drafter" or "verifier": logs, metrics labels
+    service_name: str  # the gRPC service that health reports on
+
+    def add_servicer(self, worker: "WorkerServer", server: "grpc.Server") -> None:
+        """Register the role's servicer (its RPCs, Info and EndSession) on `server`."""
+
+    def build_engine(self, config: ServerConfig) -> WorkerEngine:
+        """Load what the role runs (weights, or a tokenizer alone) and build its engine; not warmed up yet."""
+
+    def info_fields(self, engine: WorkerEngine) -> dict[str, float]:
+        """The Info fields only this role has (its measured costs), by InfoResponse field name."""

@@ -27,6 +27,7 @@ from specmesh.runtime.engine import ENGINES
 from specmesh.wire.security import TlsFiles, exposure_warning, load_token
 from specmesh.worker.config import FaultInjection, ModelConfig, ServerConfig
 from specmesh.worker.role import WorkerRole
+from specmesh.worker.server import WorkerServer
 from specmesh.worker.session_store import SessionLimits
 
 

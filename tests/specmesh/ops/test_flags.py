@@ -12,7 +12,8 @@ from collections.abc import Iterator
 
 from coordinator import cli as coordinator_cli
 from specmesh.ops.flags import DefaultsHelpFormatter
-from specmesh.runtime.catalog import DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL
+from drafter import cli as drafter_cli
+from verifier import cli as verifier_cli
 from specmesh.worker.cli import build_parser as build_worker_parser
 
 
@@ -29,9 +30,9 @@ def every_command() -> Iterator[tuple[str, argparse.ArgumentParser]]:
     yield from commands("coordinator", coordinator_cli.build_parser())
     for name in coordinator_cli.BENCHMARK_COMMANDS:  # parsed by the benchmark itself: `coordinator bench --help`
         yield f"coordinator {name}", coordinator_cli.benchmark_module(name).build_parser(f"coordinator {name}")
-    for role, model in (("drafter", DEFAULT_DRAFT_MODEL), ("verifier", DEFAULT_TARGET_MODEL)):
-        parser, _ = build_worker_parser(role, model)
-        yield from commands(role, parser)
+    for command in (drafter_cli.COMMAND, verifier_cli.COMMAND):
+        parser, _ = build_worker_parser(command)
+        yield from commands(command.name, parser)
 
 
 def help_line(parser: argparse.ArgumentParser, action: argparse.Action) -> str:

@@ -24,7 +24,7 @@ from coordinator.channel import new_session_id
 from coordinator.resilience import NoWorkerAvailable, ResilienceConfig
 from coordinator.remote_sessions import DegradingDraftSession, FailoverTargetSession, FaultStats
 from coordinator.text_stream import TextStream
-from coordinator.workers import WorkerError
+from coordinator.worker_client import WorkerError
 from specmesh.runtime.tokenizer import load_tokenizer
 from specmesh.ops import logs
 from specmesh.ops import metrics

@@ -51,7 +51,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from coordinator import Coordinator, GenerationOptions  # noqa: E402
-from coordinator.workers import LocalWorkerSpec, local_workers  # noqa: E402
+from coordinator.local_workers import LocalWorkerSpec, local_workers  # noqa: E402
 from specmesh.runtime import onednn  # noqa: E402
 from specmesh.runtime.catalog import DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL  # noqa: E402
 from specmesh.wire.limits import DEFAULT_MAX_DRAFT_TOKENS  # noqa: E402

@@ -28,7 +28,7 @@ if str(REPO) not in sys.path:
 
 from coordinator import Coordinator, GenerationOptions  # noqa: E402
 from coordinator.resilience import ResilienceConfig  # noqa: E402
-from coordinator.workers import LocalWorkerSpec, free_port, local_workers  # noqa: E402
+from coordinator.local_workers import LocalWorkerSpec, free_port, local_workers  # noqa: E402
 from specmesh.runtime.catalog import DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL  # noqa: E402
 from specmesh.ops.metrics import read_histogram  # noqa: E402
 

@@ -39,7 +39,8 @@ sys.path.insert(0, str(REPO))
 from coordinator import Coordinator, GenerationOptions  # noqa: E402
 from coordinator.api import GenerationFailed  # noqa: E402
 from coordinator.resilience import ResilienceConfig  # noqa: E402
-from coordinator.workers import LocalWorker, LocalWorkerSpec, RemoteWorker, WorkerError  # noqa: E402
+from coordinator.local_workers import LocalWorker, LocalWorkerSpec  # noqa: E402
+from coordinator.worker_client import RemoteWorker, WorkerError  # noqa: E402
 
 PROMPTS = [
     "def fibonacci(n):\n    ",

@@ -23,7 +23,8 @@ import grpc  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 
 from coordinator import Coordinator, GenerationOptions  # noqa: E402
-from coordinator.workers import LocalWorker, LocalWorkerSpec, RemoteWorker  # noqa: E402
+from coordinator.local_workers import LocalWorker, LocalWorkerSpec  # noqa: E402
+from coordinator.worker_client import RemoteWorker  # noqa: E402
 from specmesh.runtime.models import load_model  # noqa: E402
 from tests.fuzz_strategies import END, PROPER, PROPOSE, VERIFY, call, send_garbage  # noqa: E402
 from tests.helpers import reference_greedy  # noqa: E402

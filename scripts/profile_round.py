@@ -30,7 +30,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from coordinator import Coordinator, GenerationOptions  # noqa: E402
-from coordinator.workers import LocalWorker, LocalWorkerSpec  # noqa: E402
+from coordinator.local_workers import LocalWorker, LocalWorkerSpec  # noqa: E402
 from specmesh.runtime.catalog import DEFAULT_TARGET_MODEL  # noqa: E402
 from specmesh.wire.history import EMPTY_HASH, TokenHistory  # noqa: E402
 from specmesh.runtime.engine import load_engine  # noqa: E402
@@ -132,7 +132,7 @@ def profile_served(args, prompt: list[int]) -> dict:
                                              engine=args.engine), log_dir)
         try:
             worker.wait_serving(1800)
-            from coordinator.workers import RemoteWorker
+            from coordinator.worker_client import RemoteWorker
             remote, history = RemoteWorker(worker.address, "verifier"), TokenHistory()
 
             def grpc_step() -> None:

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 import specmesh.worker.server
 from coordinator import Coordinator, GenerationOptions
 from coordinator.api import TokenizerMismatch
-from coordinator.workers import LocalWorkerSpec, RemoteWorker, local_workers
+from coordinator.local_workers import LocalWorkerSpec, local_workers
+from coordinator.worker_client import RemoteWorker
 from drafter.cli import main as drafter_main
 from drafter.ngram import (NgramConfig, NgramEngine, NgramIndex, NgramModelInfo, continue_from, load_ngram_info,
                            lookup)

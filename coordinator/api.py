@@ -86,7 +86,7 @@ class GenerationResult:
     prompt_tokens: int
     finish_reason: str  # "eos", "length", "stop" or "error"
     stats: dict = field(default_factory=dict)
-    rounds: list = field(default_factory=list)  # coordinator.loop.RoundRecord per round
+    rounds: list = field(default_factory=list)  # coordinator.draft_length.RoundRecord per round
 
 
 def summarize(loop: LoopResult, elapsed_s: float, seed: int, faults: FaultStats, engines: dict | None = None) -> dict:

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 
 from coordinator.draft_length import (PRIOR_ACCEPTANCE, PROBE_EVERY, PROBE_RARELY, CostEstimate, DraftLength,
-                                      estimate_costs)
-from coordinator.loop import RoundRecord
+                                      RoundRecord, estimate_costs)
 
 
 def rounds_from(pattern: list[tuple[int, int]], draft_s_per_token: float, verify_base: float,

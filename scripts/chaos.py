@@ -40,7 +40,7 @@ from coordinator import Coordinator, GenerationOptions  # noqa: E402
 from coordinator.api import GenerationFailed  # noqa: E402
 from coordinator.resilience import ResilienceConfig  # noqa: E402
 from coordinator.local_workers import LocalWorker, LocalWorkerSpec  # noqa: E402
-from coordinator.worker_client import RemoteWorker, WorkerError  # noqa: E402
+from coordinator.worker_client import WorkerError  # noqa: E402
 
 PROMPTS = [
     "def fibonacci(n):\n    ",

@@ -130,13 +130,13 @@ class WorkerPool:
                 breaker = EndpointBreaker(f"{self.role}@{address}", self.config, self.transitions)
                 self.endpoints.append(Endpoint(self.connect(address, self.role), breaker, self.health_log))
 
-    def serving(self) -> Endpoint | None:
+    def first_serving(self) -> Endpoint | None:
         return next((e for e in self.endpoints if e.serving), None)
 
     def wait_any_serving(self, timeout_s: float) -> Endpoint | None:
         """The first endpoint health reports SERVING, waiting up to `timeout_s` for one; None if none is."""
-        wait_until(self.serving, timeout_s)
-        return self.serving()
+        wait_until(self.first_serving, timeout_s)
+        return self.first_serving()
 
     def pick(self, avoid: Endpoint | None = None) -> Endpoint:
         """A usable endpoint with the fewest pinned sessions, other than `avoid` when there is a choice."""

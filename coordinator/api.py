@@ -24,7 +24,7 @@ from coordinator.channel import new_session_id
 from coordinator.resilience import NoWorkerAvailable, ResilienceConfig
 from coordinator.remote_sessions import DegradingDraftSession, FailoverTargetSession, FaultStats
 from coordinator.text_stream import TextStream
-from coordinator.workers import WorkerError
+from coordinator.worker_client import WorkerError
 from specmesh.runtime.tokenizer import load_tokenizer
 from specmesh.ops import logs
 from specmesh.ops import metrics
@@ -86,7 +86,7 @@ class GenerationResult:
     prompt_tokens: int
     finish_reason: str  # "eos", "length", "stop" or "error"
     stats: dict = field(default_factory=dict)
-    rounds: list = field(default_factory=list)  # coordinator.loop.RoundRecord per round
+    rounds: list = field(default_factory=list)  # coordinator.draft_length.RoundRecord per round
 
 
 def summarize(loop: LoopResult, elapsed_s: float, seed: int, faults: FaultStats, engines: dict | None = None) -> dict:

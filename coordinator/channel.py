@@ -1,9 +1,9 @@
-"""Client sessions for remote drafter and verifier services, implementing the loop's DraftSource/TargetSession.
+"""What every client of a drafter or verifier shares: channel options, session ids, and the history sync.
 
-Each session remembers how much of the committed history its server already holds, and sends only the tokens
-committed since (plus the length and rolling hash of the prefix they build on). When a server answers "resync"
-(unknown session, restarted or different server, diverged history) the call is repeated once with the full history,
-and the server rebuilds its KV cache from it: nothing is lost.
+Each session (coordinator/remote_sessions.py) remembers how much of the committed history its server already holds,
+and sends only the tokens committed since (plus the length and rolling hash of the prefix they build on). When a
+server answers "resync" (unknown session, restarted or different server, diverged history) the call is repeated once
+with the full history, and the server rebuilds its KV cache from it: nothing is lost.
 """
 
 from __future__ import annotations

@@ -122,7 +122,7 @@ def _engines(stats: dict) -> str:
 def connected(args: argparse.Namespace, progress: bool) -> Iterator:
     """A Coordinator over the given workers, or over local worker subprocesses started for the duration."""
     from coordinator.api import Coordinator
-    from coordinator.workers import LocalWorkerSpec, local_workers
+    from coordinator.local_workers import LocalWorkerSpec, local_workers
     need_drafter = args.draft_tokens != 0
     specs = []
     if args.verifier is None:
@@ -145,7 +145,7 @@ def connected(args: argparse.Namespace, progress: bool) -> Iterator:
 def generate(args: argparse.Namespace) -> int:
     # Heavy imports (torch, transformers) only for the commands that need them.
     from coordinator.api import GenerationFailed, GenerationOptions
-    from coordinator.workers import WorkerError
+    from coordinator.worker_client import WorkerError
     from specmesh.ops.logs import configure_logging
     try:
         configure_logging("coordinator", args.log_format, args.log_level)
@@ -192,7 +192,7 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from coordinator.http_api import create_app
-    from coordinator.workers import WorkerError
+    from coordinator.worker_client import WorkerError
     from specmesh.ops.logs import configure_logging
     try:
         configure_logging("coordinator", args.log_format, args.log_level)

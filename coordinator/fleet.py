@@ -11,13 +11,15 @@ import socket
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
+from coordinator.polling import wait_until
 from coordinator.resilience import EndpointBreaker, NoWorkerAvailable, ResilienceConfig, TransitionLog
-from coordinator.workers import RemoteWorker
+from coordinator.worker_client import RemoteWorker
 from specmesh.wire.security import ClientSecurity
 
 log = logging.getLogger("specmesh.fleet")
@@ -46,20 +48,30 @@ def expand_targets(targets: Sequence[str]) -> list[str]:
     return addresses
 
 
-class Endpoint(RemoteWorker):
-    """One worker of a pool: its channel and stubs, a breaker, and its health as reported by a grpc.health.v1 Watch
-    stream."""
+class Endpoint:
+    """One worker of a pool: its client (channel and stubs), a breaker, and its health as reported by a
+    grpc.health.v1 Watch stream."""
 
-    def __init__(self, address: str, role: str, config: ResilienceConfig, transitions: TransitionLog,
-                 health_log: Counter, security: ClientSecurity) -> None:
-        super().__init__(address, role, security)
-        self.breaker = EndpointBreaker(f"{role}@{address}", config, transitions)
+    def __init__(self, client: RemoteWorker, breaker: EndpointBreaker, health_log: Counter) -> None:
+        self.client = client
+        self.address, self.role = client.address, client.role
+        self.breaker = breaker
         self.serving = False
         self.sessions = 0  # generations currently pinned here
         self._health_log = health_log
         self._closed = threading.Event()
-        self._watcher = threading.Thread(target=self._watch, name=f"health-{address}", daemon=True)
+        self._watcher = threading.Thread(target=self._watch, name=f"health-{self.address}", daemon=True)
         self._watcher.start()
+
+    @property
+    def stub(self):
+        return self.client.stub
+
+    def info(self, timeout_s: float = 10.0):
+        return self.client.info(timeout_s)
+
+    def end_session(self, session_id: str) -> None:
+        self.client.end_session(session_id)
 
     def usable(self) -> bool:
         return self.serving and self.breaker.allows_call()
@@ -72,10 +84,9 @@ class Endpoint(RemoteWorker):
 
     def _watch(self) -> None:
         backoff = 0.1
-        health = health_pb2_grpc.HealthStub(self.channel)
         while not self._closed.is_set():
             try:
-                for reply in health.Watch(health_pb2.HealthCheckRequest(service="")):
+                for reply in self.client.health.Watch(health_pb2.HealthCheckRequest(service="")):
                     self._set_serving(reply.status == _SERVING)
                     backoff = 0.1
             except grpc.RpcError:
@@ -84,21 +95,23 @@ class Endpoint(RemoteWorker):
             self._closed.wait(backoff)
             backoff = min(backoff * 2, 0.5)  # a restarted worker is seen within half a second
 
-    def wait_serving(self, timeout_s: float, process=None, on_wait=None) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while not self.serving and time.monotonic() < deadline and not self._closed.is_set():
-            time.sleep(0.05)
-        return self.serving
-
     def close(self) -> None:
         self._closed.set()
-        super().close()
+        self.client.close()  # also ends the Watch stream the watcher thread is reading
+
+
+Connect = Callable[[str, str], RemoteWorker]  # (address, role) -> a client for that worker
 
 
 class WorkerPool:
+    """The endpoints of one role; `pick` chooses where a session goes."""
+
     def __init__(self, targets: Sequence[str], role: str, config: ResilienceConfig,
-                 transitions: TransitionLog | None = None, security: ClientSecurity = ClientSecurity()) -> None:
-        self.role, self.config, self.targets, self.security = role, config, list(targets), security
+                 transitions: TransitionLog | None = None, security: ClientSecurity = ClientSecurity(),
+                 connect: Connect | None = None) -> None:
+        """`connect` makes each endpoint's client (default: a RemoteWorker with `security`; tests pass fakes)."""
+        self.role, self.config, self.targets = role, config, list(targets)
+        self.connect = connect if connect is not None else partial(RemoteWorker, security=security)
         self.transitions = transitions or TransitionLog()
         self.health_log: Counter = Counter()  # (address, "SERVING"/"NOT_SERVING") -> times seen
         self._lock = threading.Lock()
@@ -114,17 +127,16 @@ class WorkerPool:
         known = {e.address for e in self.endpoints}
         for address in expand_targets(self.targets):
             if address not in known:
-                self.endpoints.append(Endpoint(address, self.role, self.config, self.transitions, self.health_log,
-                                               self.security))
+                breaker = EndpointBreaker(f"{self.role}@{address}", self.config, self.transitions)
+                self.endpoints.append(Endpoint(self.connect(address, self.role), breaker, self.health_log))
+
+    def first_serving(self) -> Endpoint | None:
+        return next((e for e in self.endpoints if e.serving), None)
 
     def wait_any_serving(self, timeout_s: float) -> Endpoint | None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            for endpoint in self.endpoints:
-                if endpoint.serving:
-                    return endpoint
-            time.sleep(0.05)
-        return None
+        """The first endpoint health reports SERVING, waiting up to `timeout_s` for one; None if none is."""
+        wait_until(self.first_serving, timeout_s)
+        return self.first_serving()
 
     def pick(self, avoid: Endpoint | None = None) -> Endpoint:
         """A usable endpoint with the fewest pinned sessions, other than `avoid` when there is a choice."""

@@ -9,7 +9,8 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
@@ -61,144 +62,190 @@ def error(status: int, message: str, kind: str = "invalid_request_error", param:
                         content={"error": {"message": message, "type": kind, "param": param, "code": code}})
 
 
-def create_app(coordinator: Coordinator, default_max_tokens: int = 256, draft_tokens: int | None = None,
-               draft_policy: str = DEFAULT_POLICY, pipeline: bool = False) -> FastAPI:
-    app = FastAPI(title="specmesh", description="OpenAI-compatible API over distributed speculative decoding")
-    model_name = coordinator.verifier_info.model_name
-    created = int(time.time())
+async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+    """A body that fails validation: OpenAI's 400 invalid_request_error naming the first bad field."""
+    first = exc.errors()[0] if exc.errors() else {}
+    param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+    return error(400, f"{param or 'request'}: {first.get('msg', 'invalid request')}", param=param)
 
-    @app.exception_handler(RequestValidationError)
-    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
-        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-        return error(400, f"{param or 'request'}: {first.get('msg', 'invalid request')}", param=param)
 
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        serving = [e.address for e in coordinator.verifiers.endpoints if e.serving]
+def event(payload: dict) -> str:
+    """One server-sent event."""
+    return "data: " + json.dumps(payload) + "\n\n"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+@dataclass(frozen=True)
+class Reply:
+    """The shape of one request's response: a chat or a text completion, under one id, for one model."""
+
+    chat: bool
+    model: str
+    request_id: str
+
+    @classmethod
+    def new(cls, chat: bool, model: str) -> "Reply":
+        return cls(chat, model, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}")
+
+    def completion(self, results: list[GenerationResult], prompt_tokens: int) -> dict:
+        """The whole (non-streamed) response."""
+        if self.chat:
+            choices = [{"index": i, "message": {"role": "assistant", "content": r.text},
+                        "finish_reason": FINISH[r.finish_reason], "logprobs": None} for i, r in enumerate(results)]
+        else:
+            choices = [{"index": i, "text": r.text, "finish_reason": FINISH[r.finish_reason], "logprobs": None}
+                       for i, r in enumerate(results)]
+        return {"id": self.request_id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": int(time.time()), "model": self.model, "choices": choices,
+                "usage": usage(prompt_tokens, sum(len(r.token_ids) for r in results))}
+
+    def chunk(self, choices: list[dict], **extra) -> str:
+        return event({"id": self.request_id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                      "created": int(time.time()), "model": self.model, "choices": choices, **extra})
+
+    def text_chunk(self, index: int, text: str | None, finish: str | None, first: bool = False) -> str:
+        """A piece of choice `index` (chat: a delta, opened by the assistant role), or its end with `finish`."""
+        if self.chat:
+            delta: dict = {"role": "assistant"} if first else {}
+            if text is not None:
+                delta["content"] = text
+            return self.chunk([{"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}])
+        return self.chunk([{"index": index, "text": text or "", "finish_reason": finish, "logprobs": None}])
+
+
+def generate_into(coordinator: Coordinator, prompt_ids: list[int], choices: list[GenerationOptions],
+                  put: Callable[[tuple], None]) -> None:
+    """Run the generations one after the other (in a thread), handing ("text", index, text), ("done", index, result),
+    ("failed", index, error) and finally ("end", None, None) to `put` as they happen; a failure ends the stream."""
+    for index, options in enumerate(choices):
+        try:
+            result = coordinator.generate(list(prompt_ids), options,
+                                          on_text=lambda text, i=index: put(("text", i, text)))
+            put(("done", index, result))
+        except GenerationFailed as e:
+            put(("failed", index, e))
+            return
+    put(("end", None, None))
+
+
+async def stream_events(coordinator: Coordinator, prompt_ids: list[int], choices: list[GenerationOptions],
+                        reply: Reply, include_usage: bool) -> AsyncIterator[str]:
+    """The server-sent events of a streamed response, as the generations accept text."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+    # Pieces of text cross over from the generating thread to the event loop as they are accepted.
+    put = lambda item: loop.call_soon_threadsafe(queue.put_nowait, item)  # noqa: E731
+    threading.Thread(target=generate_into, args=(coordinator, prompt_ids, choices, put), daemon=True,
+                     name=f"stream-{reply.request_id[-8:]}").start()
+    completion_tokens = 0
+    if reply.chat:
+        yield reply.text_chunk(0, "", None, first=True)
+    while True:
+        what, index, payload = await queue.get()
+        if what == "text":
+            yield reply.text_chunk(index, payload, None)
+        elif what == "done":
+            completion_tokens += len(payload.token_ids)
+            yield reply.text_chunk(index, None if reply.chat else "", FINISH[payload.finish_reason])
+            if reply.chat and index + 1 < len(choices):
+                yield reply.text_chunk(index + 1, "", None, first=True)
+        elif what == "failed":
+            yield event({"error": {"message": str(payload), "type": "service_unavailable_error", "param": None,
+                                   "code": "generation_failed"}})
+            break
+        else:
+            break
+    if include_usage:
+        yield reply.chunk([], usage=usage(len(prompt_ids), completion_tokens))
+    yield "data: [DONE]\n\n"
+
+
+class CompletionsAPI:
+    """The route handlers over one Coordinator, with the server's defaults for what a request does not say."""
+
+    def __init__(self, coordinator: Coordinator, default_max_tokens: int, draft_tokens: int | None,
+                 draft_policy: str, pipeline: bool) -> None:
+        self.coordinator = coordinator
+        self.default_max_tokens, self.draft_tokens = default_max_tokens, draft_tokens
+        self.draft_policy, self.pipeline = draft_policy, pipeline
+        self.model_name = coordinator.verifier_info.model_name
+        self.created = int(time.time())
+
+    async def health(self) -> JSONResponse:
+        serving = [e.address for e in self.coordinator.verifiers.endpoints if e.serving]
         return JSONResponse(status_code=200 if serving else 503,
                             content={"status": "ok" if serving else "unavailable", "verifiers_serving": serving})
 
-    @app.get("/v1/models")
-    async def models() -> dict:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+    async def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
                                             "owned_by": "specmesh"}]}
 
-    def options_for(body: _Common, max_tokens: int | None, chat: bool, index: int) -> GenerationOptions:
-        stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
-        seed = None if body.seed is None else (body.seed + index) % 2**64  # n > 1: distinct, reproducible seeds
-        return GenerationOptions(max_new_tokens=max_tokens or default_max_tokens, draft_tokens=draft_tokens,
-                                 draft_policy=draft_policy, pipeline=pipeline,
-                                 temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=seed,
-                                 stop=stop, chat=chat)
-
-    def check_model(body: _Common) -> JSONResponse | None:
-        if body.model != model_name:
-            return error(404, f"The model `{body.model}` does not exist; this server serves `{model_name}`.",
-                         param="model", code="model_not_found")
-        return None
-
-    async def run(prompt_ids: list[int], body: _Common, max_tokens: int | None, kind: str) -> Any:
-        if (bad := check_model(body)) is not None:
-            return bad
-        request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-        try:
-            choices = [options_for(body, max_tokens, kind == "chat", i) for i in range(body.n)]
-            for options in choices:  # within the workers' limits (draft length, context): else 400, before streaming
-                coordinator.check(len(prompt_ids), options)
-        except ValueError as e:
-            return error(400, str(e))
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(stream(prompt_ids, choices, request_id, kind, include_usage),
-                                     media_type="text/event-stream")
-        results: list[GenerationResult] = []
-        for options in choices:
-            try:
-                results.append(await run_in_threadpool(coordinator.generate, list(prompt_ids), options))
-            except GenerationFailed as e:
-                return error(503, str(e), kind="service_unavailable_error", code="generation_failed")
-        completion_tokens = sum(len(r.token_ids) for r in results)
-        usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": completion_tokens,
-                 "total_tokens": len(prompt_ids) + completion_tokens}
-        if kind == "chat":
-            return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model_name,
-                    "choices": [{"index": i, "message": {"role": "assistant", "content": r.text},
-                                 "finish_reason": FINISH[r.finish_reason], "logprobs": None}
-                                for i, r in enumerate(results)], "usage": usage}
-        return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model_name,
-                "choices": [{"index": i, "text": r.text, "finish_reason": FINISH[r.finish_reason], "logprobs": None}
-                            for i, r in enumerate(results)], "usage": usage}
-
-    async def stream(prompt_ids: list[int], choices: list[GenerationOptions], request_id: str, kind: str,
-                     include_usage: bool) -> AsyncIterator[str]:
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        object_name = "chat.completion.chunk" if kind == "chat" else "text_completion"
-
-        def chunk(index: int, text: str | None, finish: str | None, first: bool = False) -> str:
-            if kind == "chat":
-                delta: dict = {"role": "assistant"} if first else {}
-                if text is not None:
-                    delta["content"] = text
-                choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}
-            else:
-                choice = {"index": index, "text": text or "", "finish_reason": finish, "logprobs": None}
-            return "data: " + json.dumps({"id": request_id, "object": object_name, "created": int(time.time()),
-                                          "model": model_name, "choices": [choice]}) + "\n\n"
-
-        def produce() -> None:
-            # Runs in a thread: pieces of text cross over to the event loop as they are accepted.
-            for index, options in enumerate(choices):
-                put = lambda item: loop.call_soon_threadsafe(queue.put_nowait, item)  # noqa: E731
-                try:
-                    result = coordinator.generate(list(prompt_ids), options,
-                                                  on_text=lambda text, i=index: put(("text", i, text)))
-                    put(("done", index, result))
-                except GenerationFailed as e:
-                    put(("failed", index, e))
-                    return
-            put(("end", None, None))
-
-        threading.Thread(target=produce, daemon=True, name=f"stream-{request_id[-8:]}").start()
-        completion_tokens = 0
-        if kind == "chat":
-            yield chunk(0, "", None, first=True)
-        while True:
-            what, index, payload = await queue.get()
-            if what == "text":
-                yield chunk(index, payload, None)
-            elif what == "done":
-                completion_tokens += len(payload.token_ids)
-                yield chunk(index, None if kind == "chat" else "", FINISH[payload.finish_reason])
-                if kind == "chat" and index + 1 < len(choices):
-                    yield chunk(index + 1, "", None, first=True)
-            elif what == "failed":
-                yield "data: " + json.dumps({"error": {"message": str(payload), "type": "service_unavailable_error",
-                                                       "param": None, "code": "generation_failed"}}) + "\n\n"
-                break
-            else:
-                break
-        if include_usage:
-            yield "data: " + json.dumps({"id": request_id, "object": object_name, "created": int(time.time()),
-                                         "model": model_name, "choices": [], "usage": {
-                                             "prompt_tokens": len(prompt_ids), "completion_tokens": completion_tokens,
-                                             "total_tokens": len(prompt_ids) + completion_tokens}}) + "\n\n"
-        yield "data: [DONE]\n\n"
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest) -> Any:
+    async def completions(self, body: CompletionRequest) -> Any:
         prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
         if len(prompts) != 1:
             return error(400, "exactly one prompt per request is supported", param="prompt")
         if not prompts[0]:
             return error(400, "the prompt is empty", param="prompt")
-        return await run(coordinator.encode_prompt(prompts[0], chat=False), body, body.max_tokens, "completion")
+        return await self.respond(self.coordinator.encode_prompt(prompts[0], chat=False), body, body.max_tokens,
+                                  chat=False)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatRequest) -> Any:
+    async def chat_completions(self, body: ChatRequest) -> Any:
         messages = [m.model_dump() for m in body.messages]
-        return await run(coordinator.encode_messages(messages), body, body.max_completion_tokens or body.max_tokens,
-                         "chat")
+        return await self.respond(self.coordinator.encode_messages(messages), body,
+                                  body.max_completion_tokens or body.max_tokens, chat=True)
 
+    def options_for(self, body: _Common, max_tokens: int | None, chat: bool, index: int) -> GenerationOptions:
+        stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+        seed = None if body.seed is None else (body.seed + index) % 2**64  # n > 1: distinct, reproducible seeds
+        return GenerationOptions(max_new_tokens=max_tokens or self.default_max_tokens, draft_tokens=self.draft_tokens,
+                                 draft_policy=self.draft_policy, pipeline=self.pipeline,
+                                 temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=seed,
+                                 stop=stop, chat=chat)
+
+    def request_options(self, prompt_ids: list[int], body: _Common, max_tokens: int | None,
+                        chat: bool) -> list[GenerationOptions] | JSONResponse:
+        """One GenerationOptions per choice (n), each within the workers' limits (draft length, context); or the
+        error response (404 for another model, 400 for what the workers would refuse), before anything streams."""
+        if body.model != self.model_name:
+            return error(404, f"The model `{body.model}` does not exist; this server serves `{self.model_name}`.",
+                         param="model", code="model_not_found")
+        try:
+            choices = [self.options_for(body, max_tokens, chat, i) for i in range(body.n)]
+            for options in choices:
+                self.coordinator.check(len(prompt_ids), options)
+        except ValueError as e:
+            return error(400, str(e))
+        return choices
+
+    async def respond(self, prompt_ids: list[int], body: _Common, max_tokens: int | None, chat: bool) -> Any:
+        choices = self.request_options(prompt_ids, body, max_tokens, chat)
+        if isinstance(choices, JSONResponse):
+            return choices
+        reply = Reply.new(chat, self.model_name)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(stream_events(self.coordinator, prompt_ids, choices, reply, include_usage),
+                                     media_type="text/event-stream")
+        results: list[GenerationResult] = []
+        for options in choices:
+            try:
+                results.append(await run_in_threadpool(self.coordinator.generate, list(prompt_ids), options))
+            except GenerationFailed as e:
+                return error(503, str(e), kind="service_unavailable_error", code="generation_failed")
+        return reply.completion(results, len(prompt_ids))
+
+
+def create_app(coordinator: Coordinator, default_max_tokens: int = 256, draft_tokens: int | None = None,
+               draft_policy: str = DEFAULT_POLICY, pipeline: bool = False) -> FastAPI:
+    api = CompletionsAPI(coordinator, default_max_tokens, draft_tokens, draft_policy, pipeline)
+    app = FastAPI(title="specmesh", description="OpenAI-compatible API over distributed speculative decoding")
+    app.add_exception_handler(RequestValidationError, invalid_request)
+    app.add_api_route("/health", api.health, methods=["GET"])
+    app.add_api_route("/v1/models", api.models, methods=["GET"])
+    app.add_api_route("/v1/completions", api.completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", api.chat_completions, methods=["POST"])
     return app

@@ -20,7 +20,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from coordinator.draft_length import DraftLength
+from coordinator.draft_length import DraftLength, RoundRecord
 from specmesh.decoding.acceptance import Verdict
 from specmesh.decoding.sampling import SparseDist
 
@@ -59,14 +59,6 @@ class LoopConfig:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.max_propose_tokens is not None and self.max_propose_tokens < 1:
             raise ValueError(f"max_propose_tokens must be >= 1, got {self.max_propose_tokens}")
-
-
-@dataclass(frozen=True)
-class RoundRecord:
-    drafted: int
-    accepted: int
-    draft_s: float
-    verify_s: float
 
 
 @dataclass

@@ -25,7 +25,7 @@ from specmesh.decoding.sampling import SamplingParams
 from specmesh.v1 import specmesh_pb2 as pb
 from specmesh.wire.convert import dists_from_wire, dists_to_wire, sampling_to_wire
 
-log = logging.getLogger("specmesh.worker.session_store")
+log = logging.getLogger("specmesh.sessions")
 
 
 @dataclass

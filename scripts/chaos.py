@@ -36,7 +36,8 @@ from pathlib import Path
 from coordinator import Coordinator, GenerationOptions
 from coordinator.api import GenerationFailed
 from coordinator.resilience import ResilienceConfig
-from coordinator.workers import LocalWorker, LocalWorkerSpec, WorkerError
+from coordinator.local_workers import LocalWorker, LocalWorkerSpec
+from coordinator.worker_client import WorkerError
 
 PROMPTS = [
     "def fibonacci(n):\n    ",

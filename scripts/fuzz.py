@@ -21,7 +21,8 @@ import grpc
 from hypothesis import HealthCheck, given, settings
 
 from coordinator import Coordinator, GenerationOptions
-from coordinator.workers import LocalWorker, LocalWorkerSpec, RemoteWorker
+from coordinator.local_workers import LocalWorker, LocalWorkerSpec
+from coordinator.worker_client import RemoteWorker
 from specmesh.runtime.models import load_model
 
 # The request strategies are the test suite's (tests/ is not an installed package): reach them from the checkout.

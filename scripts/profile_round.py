@@ -25,7 +25,7 @@ import tempfile
 import time
 
 from coordinator import Coordinator, GenerationOptions
-from coordinator.workers import LocalWorker, LocalWorkerSpec
+from coordinator.local_workers import LocalWorker, LocalWorkerSpec
 from specmesh.runtime.catalog import DEFAULT_TARGET_MODEL
 from specmesh.wire.history import EMPTY_HASH, TokenHistory
 from specmesh.runtime.engine import load_engine
@@ -127,7 +127,7 @@ def profile_served(args, prompt: list[int]) -> dict:
                                              engine=args.engine), log_dir)
         try:
             worker.wait_serving(1800)
-            from coordinator.workers import RemoteWorker
+            from coordinator.worker_client import RemoteWorker
             remote, history = RemoteWorker(worker.address, "verifier"), TokenHistory()
 
             def grpc_step() -> None:

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from coordinator import Coordinator, GenerationOptions
-from coordinator.workers import RemoteWorker
+from coordinator.worker_client import RemoteWorker
 from drafter.service import run_server as run_drafter
 from tests.fuzz_strategies import END, PROPER, PROPOSE, VERIFY, call, send_garbage
 from tests.helpers import reference_greedy

@@ -13,7 +13,8 @@ import pytest
 
 from coordinator import Coordinator, GenerationOptions
 from coordinator.resilience import ResilienceConfig
-from coordinator.workers import RemoteWorker, free_port
+from coordinator.local_workers import free_port
+from coordinator.worker_client import RemoteWorker
 from specmesh.ops.metrics import read_histogram
 from tests.chaos.conftest import once, running_fleet
 

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from coordinator import Coordinator, GenerationOptions
-from coordinator.workers import LocalWorkerSpec, free_port, local_workers
+from coordinator.local_workers import LocalWorkerSpec, free_port, local_workers
 from specmesh.runtime.catalog import DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL
 from specmesh.ops.metrics import read_histogram
 

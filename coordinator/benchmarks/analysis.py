@@ -6,6 +6,7 @@ from __future__ import annotations
 import statistics
 
 from coordinator.benchmarks.modes import BASELINE, HF_BASELINE, LLAMA_BASELINE, Mode
+from coordinator.draft_length import expected_tokens_per_round
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
@@ -28,13 +29,6 @@ def add_relative(rows: list[dict]) -> None:
         r["speedup_vs_hf_target"] = round(r["tokens_per_s"] / hf["tokens_per_s"], 4) if hf else None
         r["speedup_vs_llama_target"] = round(r["tokens_per_s"] / llama["tokens_per_s"], 4) if llama else None
         r["diverges_at"] = first_divergence(base["token_ids"], r["token_ids"]) if base else None
-
-
-def expected_tokens_per_round(a: float, k: float) -> float:
-    """E = (1 - a^(k+1)) / (1 - a): tokens per round when each of k drafts is accepted with probability a."""
-    if a >= 1.0:
-        return k + 1.0
-    return (1.0 - a ** (k + 1.0)) / (1.0 - a)
 
 
 def summarize(rows: list[dict], modes: list[Mode], classes: list[str]) -> list[dict]:

@@ -23,7 +23,7 @@ from pathlib import Path
 from coordinator import Coordinator, GenerationOptions
 from coordinator.benchmarks.prompts import DEFAULT_PROMPTS
 from coordinator.resilience import ResilienceConfig
-from coordinator.workers import LocalWorkerSpec, free_port, local_workers
+from coordinator.local_workers import LocalWorkerSpec, free_port, local_workers
 from specmesh.ops.flags import DefaultsHelpFormatter
 from specmesh.ops.metrics import read_histogram
 from specmesh.runtime.catalog import DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL

@@ -9,7 +9,7 @@ from coordinator import Coordinator, GenerationOptions
 from coordinator.benchmarks.engines import requested_engines
 from coordinator.benchmarks.measure import best_of
 from coordinator.benchmarks.modes import Mode
-from coordinator.workers import LocalWorkerSpec, local_workers
+from coordinator.local_workers import LocalWorkerSpec, local_workers
 
 
 def specmesh_row(result, prompt: dict, mode: Mode) -> dict:

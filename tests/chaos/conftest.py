@@ -9,7 +9,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from coordinator.workers import LocalWorker, LocalWorkerSpec
+from coordinator.local_workers import LocalWorker, LocalWorkerSpec
 from specmesh.runtime.models import load_model
 from tests.helpers import reference_greedy
 

@@ -15,7 +15,7 @@ import pytest
 from coordinator import Coordinator, GenerationOptions
 from coordinator.api import GenerationFailed
 from coordinator.resilience import ResilienceConfig
-from coordinator.workers import RemoteWorker
+from coordinator.worker_client import RemoteWorker
 from tests.chaos.conftest import MAX_NEW, PROMPT_TEXT, TARGET, once, poll
 
 # Small budgets so faults resolve fast; breaker_fail_max=1 makes every worker failure visible as a transition.

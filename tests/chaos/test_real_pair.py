@@ -36,7 +36,7 @@ def real_fleet(tmp_path_factory):
 
 
 def _start(fleet: Fleet, role: str, model: str):
-    from coordinator.workers import LocalWorker, LocalWorkerSpec
+    from coordinator.local_workers import LocalWorker, LocalWorkerSpec
     return LocalWorker(LocalWorkerSpec(role, model, "cpu", "float32"), fleet.log_dir)
 
 

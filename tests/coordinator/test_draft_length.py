@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from coordinator.draft_length import (PRIOR_ACCEPTANCE, PROBE_EVERY, PROBE_RARELY, CostEstimate, DraftLength,
-                                      estimate_costs)
-from coordinator.loop import RoundRecord
+from coordinator.draft_length import (POLICIES, PRIOR_ACCEPTANCE, PROBE_EVERY, PROBE_RARELY, CostEstimate,
+                                      DraftLength, RoundRecord, estimate_costs)
 
 
 def rounds_from(pattern: list[tuple[int, int]], draft_s_per_token: float, verify_base: float,
@@ -94,3 +95,20 @@ def test_cost_policy_uses_the_heuristic_until_it_has_data():
     assert policy.next(4, [RoundRecord(4, 4, 0.1, 0.2)]) == 6
     with pytest.raises(ValueError, match="policy"):
         DraftLength(policy="fastest")
+
+
+# Seconds as whole milliseconds: hypothesis refuses st.floats once a library loaded in the test process has set
+# flush-to-zero (-ffast-math).
+SECONDS = st.integers(1, 1000).map(lambda ms: ms / 1000)
+
+
+@settings(max_examples=200, deadline=None)
+@given(name=st.sampled_from(sorted(POLICIES)), k=st.integers(0, 8),
+       rounds=st.lists(st.tuples(st.integers(0, 8), st.integers(0, 8), SECONDS, SECONDS), max_size=40))
+def test_every_policy_stays_within_its_bounds(name, k, rounds):
+    """Whatever the history, an adaptive policy drafts within [minimum, maximum], or nothing (cost policy only)."""
+    length = DraftLength(initial=2, minimum=2, maximum=8, policy=name)
+    history = [RoundRecord(drafted, min(accepted, drafted), draft_s, verify_s)
+               for drafted, accepted, draft_s, verify_s in rounds]
+    allowed = {*range(2, 9), *((0,) if name == "cost" else ())}
+    assert length.first() in allowed and length.next(k, history) in allowed

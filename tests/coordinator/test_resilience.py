@@ -2,19 +2,12 @@
 
 from __future__ import annotations
 
-import time
 
 import grpc
 import pytest
 
+from coordinator.polling import wait_until
 from coordinator.resilience import EndpointBreaker, ResilienceConfig, TransitionLog, is_retryable
-
-
-def wait_until(condition, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition never became true"
-        time.sleep(0.01)
 
 
 def test_breaker_opens_then_lets_exactly_one_probe_through():
@@ -24,7 +17,7 @@ def test_breaker_opens_then_lets_exactly_one_probe_through():
     assert breaker.allows_call() and breaker.state == "closed"
     breaker.record_failure()
     assert breaker.state == "open" and not breaker.allows_call()
-    wait_until(breaker.allows_call)  # reset time passed: a probe may go
+    assert wait_until(breaker.allows_call, 5.0)  # reset time passed: a probe may go
     breaker.begin_call()
     assert not breaker.allows_call()  # ...but only one while it is in flight
     breaker.record_success()
@@ -37,13 +30,13 @@ def test_breaker_opens_then_lets_exactly_one_probe_through():
 def test_a_failed_probe_reopens_and_a_lost_probe_goes_stale():
     breaker = EndpointBreaker("drafter@y", ResilienceConfig(breaker_fail_max=1, breaker_reset_s=0.2), TransitionLog())
     breaker.record_failure()
-    wait_until(breaker.allows_call)
+    assert wait_until(breaker.allows_call, 5.0)
     breaker.begin_call()
     breaker.record_failure()
     assert breaker.state == "open" and not breaker.allows_call()
-    wait_until(breaker.allows_call)
+    assert wait_until(breaker.allows_call, 5.0)
     breaker.begin_call()  # a probe that never reports back...
-    wait_until(breaker.allows_call)  # ...stops blocking others after reset_timeout
+    assert wait_until(breaker.allows_call, 5.0)  # ...stops blocking others after reset_timeout
 
 
 class _Error(grpc.RpcError):

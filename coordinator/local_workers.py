@@ -1,5 +1,4 @@
-"""Connections to drafter/verifier services, and local worker subprocesses for `coordinator generate` without
-addresses."""
+"""Local drafter and verifier subprocesses, for `coordinator generate` without addresses, benchmarks and tests."""
 
 from __future__ import annotations
 
@@ -10,66 +9,12 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-from coordinator.channel import CHANNEL_OPTIONS
-from specmesh.wire.security import ClientSecurity, load_token
-from specmesh.v1 import specmesh_pb2 as pb
-from specmesh.v1 import specmesh_pb2_grpc as pb_grpc
-
-
-class WorkerError(RuntimeError):
-    """A worker could not be started, reached or used."""
-
-
-class RemoteWorker:
-    """A channel to one drafter or verifier with its stub and health stub."""
-
-    def __init__(self, address: str, role: str, security: ClientSecurity | None = None) -> None:
-        self.address, self.role = address, role
-        security = security if security is not None else ClientSecurity(token=load_token())
-        self.channel = security.channel(address, CHANNEL_OPTIONS)
-        self.stub = (pb_grpc.DrafterStub if role == "drafter" else pb_grpc.VerifierStub)(self.channel)
-        self.health = health_pb2_grpc.HealthStub(self.channel)
-
-    def info(self, timeout_s: float = 10.0) -> pb.InfoResponse:
-        try:
-            return self.stub.Info(pb.InfoRequest(), timeout=timeout_s)
-        except grpc.RpcError as e:
-            raise WorkerError(f"{self.role} at {self.address}: Info failed: {e.code().name} {e.details()}") from e
-
-    def is_serving(self, timeout_s: float = 2.0) -> bool:
-        try:
-            reply = self.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
-        except grpc.RpcError:
-            return False
-        return reply.status == health_pb2.HealthCheckResponse.SERVING
-
-    def wait_serving(self, timeout_s: float, process: subprocess.Popen | None = None,
-                     on_wait=None) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not self.is_serving():
-            if process is not None and process.poll() is not None:
-                raise WorkerError(f"{self.role} exited with status {process.returncode} before it was ready")
-            if time.monotonic() > deadline:
-                raise WorkerError(f"{self.role} at {self.address} not SERVING after {timeout_s:.0f} s")
-            if on_wait is not None:
-                on_wait()
-            time.sleep(0.25)
-
-    def end_session(self, session_id: str) -> None:
-        try:
-            self.stub.EndSession(pb.EndSessionRequest(session_id=session_id), timeout=2.0)
-        except grpc.RpcError:
-            pass  # best effort: idle sessions expire on the server anyway
-
-    def close(self) -> None:
-        self.channel.close()
+from coordinator.polling import wait_until
+from coordinator.worker_client import RemoteWorker, WorkerError
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -121,14 +66,11 @@ class LocalWorker:
                 if line.startswith("LISTENING ") and not found:
                     found.append(line.split(" ", 1)[1])
                     # keep draining stdout so the worker never blocks on a full pipe
-        reader = threading.Thread(target=read, daemon=True)
-        reader.start()
-        deadline = time.monotonic() + timeout_s
-        while not found:
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise WorkerError(f"{self.spec.role} did not start; its log:\n{self.log_tail()}")
-            time.sleep(0.05)
+        threading.Thread(target=read, daemon=True).start()
+        wait_until(lambda: found or self.process.poll() is not None, timeout_s)
+        if not found:
+            self.stop()
+            raise WorkerError(f"{self.spec.role} did not start; its log:\n{self.log_tail()}")
         return found[0]
 
     def log_tail(self, lines: int = 20) -> str:
@@ -147,10 +89,17 @@ class LocalWorker:
         self.process.kill()
         self.process.wait()
 
-    def wait_serving(self, timeout_s: float = 120.0) -> None:
+    def wait_serving(self, timeout_s: float = 120.0, on_wait: Callable[[], None] | None = None) -> None:
+        """Wait until the worker reports SERVING; WorkerError at once if the process exits first."""
+        def still_running() -> None:
+            if self.process.poll() is not None:
+                raise WorkerError(f"{self.spec.role} exited with status {self.process.returncode} before it was ready")
+            if on_wait is not None:
+                on_wait()
+
         client = RemoteWorker(self.address, self.spec.role)
         try:
-            client.wait_serving(timeout_s, self.process)
+            client.wait_serving(timeout_s, on_wait=still_running)
         finally:
             client.close()
 
@@ -179,15 +128,12 @@ def local_workers(specs: list[LocalWorkerSpec], progress: bool = True,
             workers.append(worker)
         started = time.monotonic()
         for worker in workers:
-            client = RemoteWorker(worker.address, worker.spec.role)
-            stack.callback(client.close)
-
             def show(worker=worker) -> None:
                 if progress:
                     print(f"\rloading {worker.spec.role} {worker.spec.model} ... {time.monotonic() - started:.0f}s",
                           end="", file=sys.stderr, flush=True)
             try:
-                client.wait_serving(load_timeout_s, worker.process, on_wait=show)
+                worker.wait_serving(load_timeout_s, on_wait=show)
             except WorkerError as e:
                 raise WorkerError(f"{e}; its log:\n{worker.log_tail()}") from None
             if progress:

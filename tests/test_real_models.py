@@ -14,8 +14,6 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from coordinator import Coordinator, GenerationOptions
-from coordinator.local_workers import LocalWorkerSpec, free_port, local_workers
-from specmesh.runtime.catalog import DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL
 from specmesh.ops.metrics import read_histogram
 
 pytestmark = pytest.mark.real_models
@@ -29,17 +27,16 @@ MAX_NEW = 24
 
 
 @pytest.fixture(scope="module")
-def metrics_port():
-    return free_port()
+def metrics_port(real_pair):
+    return real_pair.metrics_port
 
 
 @pytest.fixture(scope="module")
-def workers(metrics_port):
-    specs = [LocalWorkerSpec("verifier", DEFAULT_TARGET_MODEL, "cpu", "float32",
-                             extra_args=("--metrics-port", str(metrics_port))),
-             LocalWorkerSpec("drafter", DEFAULT_DRAFT_MODEL, "cpu", "float32")]
-    with local_workers(specs, progress=False) as addresses:
-        yield addresses
+def workers(real_pair):
+    """The first verifier of the session's real pair (tests/conftest.py), with its metrics, and the drafter."""
+    verifier = real_pair.workers[0]
+    drafter = next(w for w in real_pair.workers if w.spec.role == "drafter")
+    return {"verifier": verifier.address, "drafter": drafter.address}
 
 
 def batch_histogram(metrics_port: int) -> tuple[float, float]:

@@ -8,10 +8,9 @@ import pytest
 
 from coordinator import Coordinator, GenerationOptions
 from coordinator.resilience import ResilienceConfig
-from specmesh.runtime.catalog import DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL
-from tests.chaos.conftest import Fleet, once
+from tests.chaos.conftest import once
 
-pytestmark = pytest.mark.real_models
+pytestmark = [pytest.mark.real_models, pytest.mark.kills_real_pair]
 
 PROMPT = "Write a Python function that checks whether a number is prime."
 # The heuristic keeps drafting, so the drafter is in use when it is killed (the default cost policy may find that
@@ -22,22 +21,8 @@ RESILIENCE = ResilienceConfig(verify_timeout_s=60.0, propose_timeout_s=60.0, ret
 
 
 @pytest.fixture(scope="module")
-def real_fleet(tmp_path_factory):
-    fleet = Fleet(str(tmp_path_factory.mktemp("real-chaos")))
-    try:
-        for role, model in (("verifier", DEFAULT_TARGET_MODEL), ("verifier", DEFAULT_TARGET_MODEL),
-                            ("drafter", DEFAULT_DRAFT_MODEL)):
-            fleet.workers.append(_start(fleet, role, model))
-        for worker in fleet.workers:
-            worker.wait_serving(timeout_s=600)
-        yield fleet
-    finally:
-        fleet.stop_all()
-
-
-def _start(fleet: Fleet, role: str, model: str):
-    from coordinator.local_workers import LocalWorker, LocalWorkerSpec
-    return LocalWorker(LocalWorkerSpec(role, model, "cpu", "float32"), fleet.log_dir)
+def real_fleet(real_pair):
+    return real_pair  # the session's real pair (tests/conftest.py): these tests run last, they kill its workers
 
 
 @pytest.fixture(scope="module")

@@ -55,7 +55,7 @@ class LocalWorker:
                if not k.startswith("SPECMESH_") or k in ("SPECMESH_TOKEN", "SPECMESH_TOKEN_FILE", "SPECMESH_CACHE_DIR")}
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=self._log, stdin=subprocess.DEVNULL,
                                         env=env)
-        self.address = self._read_address(timeout_s=60.0)
+        self.address = self._read_address(timeout_s=300.0)  # alive but slow (a loaded machine): keep waiting
 
     def _read_address(self, timeout_s: float) -> str:
         found: list[str] = []

@@ -21,8 +21,9 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def real_pair(tmp_path_factory):
-    """The real default pair in float32 (exact greedy), started once for every real-model test: two verifiers, the
-    first with a metrics endpoint (`real_pair.metrics_port`), and a drafter, loading side by side."""
+    """The real default pair in float32 (exact greedy), started once for every real-model test: a verifier with a
+    metrics endpoint (`real_pair.metrics_port`) and a drafter. Tests that need more workers add them to
+    `real_pair.workers` (the chaos tests add a second verifier), and all are stopped at the end of the session."""
     from coordinator.local_workers import LocalWorker, LocalWorkerSpec, free_port
     from specmesh.runtime.catalog import DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL
     from tests.chaos.conftest import Fleet
@@ -31,7 +32,6 @@ def real_pair(tmp_path_factory):
     fleet.metrics_port = free_port()
     specs = [LocalWorkerSpec("verifier", DEFAULT_TARGET_MODEL, "cpu", "float32",
                              extra_args=("--metrics-port", str(fleet.metrics_port))),
-             LocalWorkerSpec("verifier", DEFAULT_TARGET_MODEL, "cpu", "float32"),
              LocalWorkerSpec("drafter", DEFAULT_DRAFT_MODEL, "cpu", "float32")]
     try:
         for spec in specs:

@@ -8,6 +8,7 @@ import pytest
 
 from coordinator import Coordinator, GenerationOptions
 from coordinator.resilience import ResilienceConfig
+from specmesh.runtime.catalog import DEFAULT_TARGET_MODEL
 from tests.chaos.conftest import once
 
 pytestmark = [pytest.mark.real_models, pytest.mark.kills_real_pair]
@@ -22,7 +23,13 @@ RESILIENCE = ResilienceConfig(verify_timeout_s=60.0, propose_timeout_s=60.0, ret
 
 @pytest.fixture(scope="module")
 def real_fleet(real_pair):
-    return real_pair  # the session's real pair (tests/conftest.py): these tests run last, they kill its workers
+    """The session's real pair (tests/conftest.py) plus a second verifier to fail over to. These tests run last:
+    they kill its workers."""
+    from coordinator.local_workers import LocalWorker, LocalWorkerSpec
+    second = LocalWorker(LocalWorkerSpec("verifier", DEFAULT_TARGET_MODEL, "cpu", "float32"), real_pair.log_dir)
+    real_pair.workers.append(second)
+    second.wait_serving(timeout_s=900)
+    return real_pair
 
 
 @pytest.fixture(scope="module")

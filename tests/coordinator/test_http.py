@@ -159,6 +159,11 @@ def test_prometheus_metrics_are_scraped(client, coordinator, tiny_target):
     from specmesh.ops.metrics import serve_metrics
     port = serve_metrics(0)
     client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
+    # Counters are per process and other tests may not have run in this one (pytest-xdist): a generation whose drafts
+    # are certainly accepted (the target drafting for itself) makes the acceptance metrics this test's own.
+    with run_drafter(tiny_target, port=0) as identical, \
+            Coordinator(coordinator.verifiers.targets[0], identical.address, tokenizer=tiny_target.tokenizer) as own:
+        own.generate(PROMPT, GenerationOptions(max_new_tokens=12, draft_policy="heuristic"))
     text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
     values = {}
     for line in text.splitlines():

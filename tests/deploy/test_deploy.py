@@ -206,14 +206,14 @@ def check_command(argv: list[str], where: str, monkeypatch) -> argparse.Namespac
     if "-h" in rest or "--help" in rest:
         return argparse.Namespace()
 
-    # Stop right after the top-level parser (prog without a space; subcommand parsers are "prog sub") has parsed
-    # everything: parse_args, parse_intermixed_args and the CLI's own pre-parse of the --config flag all go through
-    # parse_known_args. Nothing after parsing runs: no server starts.
+    # Stop right after the command's top-level parser (prog == the module; subcommand parsers are "prog sub") has
+    # parsed everything: parse_args and parse_intermixed_args go through parse_known_args. The CLI's own pre-parse of
+    # the --config flag (a small parser of its own) runs on. Nothing after parsing runs: no server starts.
     original = argparse.ArgumentParser.parse_known_args
 
     def parse_only(self, args=None, namespace=None):
         result = original(self, args, namespace)
-        if " " not in self.prog:
+        if self.prog == module:
             raise _Parsed(*result)
         return result
 

@@ -204,7 +204,9 @@ def decode_steps(engine: VerifyEngine, session: str, prompt: list[int], steps: i
 def test_active_sessions_are_waited_for_instead_of_alternating(tiny_target):
     """Two sessions calling back right after each answer: with a short wait window they share passes (without it they
     tend to alternate: one runs while the other queues); outputs stay each session's own greedy decoding."""
-    engine = batching_engine(tiny_target, 8, max_batch_wait_s=0.2)
+    # A window far longer than the callers' 10 ms turnaround: on a busy machine a thread may be descheduled for a
+    # while, and that must not turn into a miss (the window never delays a pass whose callers are all back).
+    engine = batching_engine(tiny_target, 8, max_batch_wait_s=1.0)
     prompts = [[5, 6, 7], [9, 10, 11, 12]]
     before_pairs, before_all = batched_passes_of_at_least(2), batched_passes_of_at_least(1)
     with ThreadPoolExecutor(2) as pool:

@@ -1,11 +1,16 @@
 """The real default pair (Qwen2.5-Coder 0.5B drafting for 1.5B), drafter and verifier as subprocesses, driven through
 the `coordinator generate` CLI in float32, where speculative output must equal target-only output token for token.
 (In bf16 a k-token verify pass and one-token steps give slightly different logits and near-ties can flip; that
-divergence is measured by scripts, not asserted here.)"""
+divergence is measured by scripts, not asserted here.) The chaos cases on the real pair (a SIGKILLed verifier, a killed
+drafter) come last: they kill the workers every test here shares.
+
+All real-model tests live in this one module, so that the pair is loaded once, and pytest-xdist (--dist loadfile)
+never loads it twice side by side on a 24 GiB machine."""
 
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 
@@ -14,7 +19,11 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from coordinator import Coordinator, GenerationOptions
+from coordinator.local_workers import LocalWorker, LocalWorkerSpec, free_port
+from coordinator.resilience import ResilienceConfig
 from specmesh.ops.metrics import read_histogram
+from specmesh.runtime.catalog import DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL
+from tests.chaos.conftest import Fleet, once
 
 pytestmark = pytest.mark.real_models
 
@@ -26,6 +35,27 @@ PROMPTS = [
 MAX_NEW = 24
 
 
+def real_worker(role: str, log_dir: str, *extra: str) -> LocalWorker:
+    model = DEFAULT_TARGET_MODEL if role == "verifier" else DEFAULT_DRAFT_MODEL
+    return LocalWorker(LocalWorkerSpec(role, model, "cpu", "float32", extra_args=extra), log_dir)
+
+
+@pytest.fixture(scope="module")
+def real_pair(tmp_path_factory):
+    """A verifier with a metrics endpoint (`real_pair.metrics_port`) and a drafter, loading side by side; the chaos
+    tests add a second verifier. All are stopped at the end of the module."""
+    fleet = Fleet(str(tmp_path_factory.mktemp("real-pair")), DEFAULT_TARGET_MODEL, DEFAULT_DRAFT_MODEL, "float32")
+    fleet.metrics_port = free_port()
+    try:
+        fleet.workers.append(real_worker("verifier", fleet.log_dir, "--metrics-port", str(fleet.metrics_port)))
+        fleet.workers.append(real_worker("drafter", fleet.log_dir))
+        for worker in fleet.workers:
+            worker.wait_serving(timeout_s=900)
+        yield fleet
+    finally:
+        fleet.stop_all()
+
+
 @pytest.fixture(scope="module")
 def metrics_port(real_pair):
     return real_pair.metrics_port
@@ -33,10 +63,9 @@ def metrics_port(real_pair):
 
 @pytest.fixture(scope="module")
 def workers(real_pair):
-    """The first verifier of the session's real pair (tests/conftest.py), with its metrics, and the drafter."""
-    verifier = real_pair.workers[0]
+    """The first verifier, with its metrics, and the drafter."""
     drafter = next(w for w in real_pair.workers if w.spec.role == "drafter")
-    return {"verifier": verifier.address, "drafter": drafter.address}
+    return {"verifier": real_pair.workers[0].address, "drafter": drafter.address}
 
 
 def batch_histogram(metrics_port: int) -> tuple[float, float]:
@@ -107,3 +136,59 @@ def test_concurrent_generations_share_forward_passes_and_stay_exact(workers, met
 
 def test_concurrent_speculative_generations_stay_exact(workers):
     assert concurrently(workers, draft_tokens=None) == [target_only(workers, p)["token_ids"] for p in PROMPTS]
+
+
+# --- Chaos on the real pair: these kill the shared workers, so they stay the last tests of this module. ---
+
+CHAOS_PROMPT = PROMPTS[0]
+# The heuristic keeps drafting, so the drafter is in use when it is killed (the default cost policy may find that
+# drafting does not pay on this machine and not call it at all).
+CHAOS_OPTIONS = GenerationOptions(max_new_tokens=24, draft_policy="heuristic")
+CHAOS_RESILIENCE = ResilienceConfig(verify_timeout_s=60.0, propose_timeout_s=60.0, retry_budget_s=60.0,
+                                    breaker_fail_max=1, breaker_reset_s=600.0)
+
+
+@pytest.fixture(scope="module")
+def real_fleet(real_pair):
+    """The pair plus a second verifier to fail over to."""
+    second = real_worker("verifier", real_pair.log_dir)
+    real_pair.workers.append(second)
+    second.wait_serving(timeout_s=900)
+    return real_pair
+
+
+@pytest.fixture(scope="module")
+def coordinator(real_fleet):
+    verifiers = [w.address for w in real_fleet.workers if w.spec.role == "verifier"]
+    drafter = next(w.address for w in real_fleet.workers if w.spec.role == "drafter")
+    with Coordinator(verifiers, drafter, resilience=CHAOS_RESILIENCE) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def fault_free(coordinator):
+    result = coordinator.generate(CHAOS_PROMPT, CHAOS_OPTIONS)
+    assert result.stats["failovers"] == 0 and result.stats["degraded_rounds"] == 0
+    return result
+
+
+def test_sigkill_the_pinned_verifier(real_fleet, coordinator, fault_free):
+    killed = []
+
+    def kill_pinned() -> None:
+        address = next(e.address for e in coordinator.verifiers.endpoints if e.sessions > 0)
+        worker = real_fleet.by_address(address)
+        worker.kill()
+        killed.append(worker)
+
+    result = coordinator.generate(CHAOS_PROMPT, CHAOS_OPTIONS, on_text=once(kill_pinned))
+    assert killed and killed[0].process.returncode == -signal.SIGKILL
+    assert result.token_ids == fault_free.token_ids
+    assert result.stats["failovers"] >= 1
+
+
+def test_sigkill_the_drafter(real_fleet, coordinator, fault_free):
+    drafter = next(w for w in real_fleet.workers if w.spec.role == "drafter")
+    result = coordinator.generate(CHAOS_PROMPT, CHAOS_OPTIONS, on_text=once(drafter.kill))
+    assert result.token_ids == fault_free.token_ids
+    assert result.stats["degraded_rounds"] >= 1

@@ -25,11 +25,14 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTrainedModel
+from transformers import AutoTokenizer
+
+if TYPE_CHECKING:  # the modeling classes import slowly (~2 s): a client that loads only a tokenizer never pays for them
+    from transformers import PreTrainedModel
 
 from specmesh.runtime import catalog
 from specmesh.runtime import onednn
@@ -232,9 +235,9 @@ def convert_gguf(gguf: Path, out: Path, progress: bool) -> None:
             # dequantize=True: always a plain dense model.  Otherwise, where a GGUF
             # matmul kernel is available, transformers keeps GGUF blocks and the
             # model cannot be saved (save_pretrained refuses "quantized" models).
-            model = AutoModelForCausalLM.from_pretrained(
+            model = transformers.AutoModelForCausalLM.from_pretrained(
                 gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
-                quantization_config=GgufConfig(dequantize=True),
+                quantization_config=transformers.GgufConfig(dequantize=True),
             )
             model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
@@ -329,7 +332,7 @@ def load_model(
             else:
                 src = spec  # local HF dir or hub id
             tokenizer = AutoTokenizer.from_pretrained(src)
-            model = AutoModelForCausalLM.from_pretrained(src, dtype=dt)
+            model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=dt)
 
     model = model.to(device=dev, dtype=dt)
     model.eval()

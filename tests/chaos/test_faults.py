@@ -15,8 +15,9 @@ import pytest
 from coordinator import Coordinator, GenerationOptions
 from coordinator.api import GenerationFailed
 from coordinator.resilience import ResilienceConfig
-from coordinator.worker_client import RemoteWorker
-from tests.chaos.conftest import MAX_NEW, PROMPT_TEXT, TARGET, once, poll
+from coordinator.local_workers import free_port
+from specmesh.ops.metrics import read_histogram
+from tests.chaos.conftest import MAX_NEW, PROMPT_TEXT, once, poll
 
 # Small budgets so faults resolve fast; breaker_fail_max=1 makes every worker failure visible as a transition.
 FAST = ResilienceConfig(verify_timeout_s=2.0, propose_timeout_s=2.0, retry_budget_s=20.0, backoff_initial_s=0.05,
@@ -150,20 +151,25 @@ def test_slow_verifier_trips_its_deadline_and_fails_over(fleet, tiny, prompt, ex
 
 
 def test_cli_exits_nonzero_with_partial_text_when_no_verifier_is_left(fleet):
-    verifier = fleet.start("verifier", extra=("--inject-latency", "0.05"))
+    metrics_port = free_port()
+    verifier = fleet.start("verifier", extra=("--inject-latency", "0.05", "--metrics-port", str(metrics_port)))
+
+    def verify_passes() -> float:
+        return read_histogram(f"http://127.0.0.1:{metrics_port}/metrics", "specmesh_verify_batch_size")[1]
+
+    warm_up_passes = verify_passes()  # the worker's own, before it reported SERVING
     cli = subprocess.Popen([sys.executable, "-m", "coordinator", "generate", "--prompt", PROMPT_TEXT, "--no-chat",
                             "--verifier", verifier.address, "--draft-tokens", "0", "--max-new-tokens", "400",
                             "--retry-budget", "2", "--rpc-timeout", "1", "--json"],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    probe = RemoteWorker(verifier.address, "verifier")
     try:
-        # Poll the worker's own session count until the CLI is mid-generation, then take the only verifier away.
-        poll(lambda: probe.info().active_sessions >= 1 or cli.poll() is not None, 60, "the CLI's session")
+        # Poll the worker's own count of Verify passes until the CLI has tokens (the first pass is the prompt's, and
+        # a session exists before its first token), then take the only verifier away.
+        poll(lambda: verify_passes() >= warm_up_passes + 3 or cli.poll() is not None, 60, "the CLI's first tokens")
         assert cli.poll() is None, cli.communicate()
         verifier.kill()
         out, err = cli.communicate(timeout=60)
     finally:
-        probe.close()
         if cli.poll() is None:
             cli.kill()
     assert cli.returncode == 1, err

@@ -13,7 +13,6 @@ from drafter.engine import DraftEngine
 from drafter.ngram import NgramEngine, describe_loaded, describe_target
 from drafter.proposer import Proposer
 from specmesh.ops import metrics
-from specmesh.runtime.engine import as_engine
 from specmesh.runtime.models import LoadedModel
 from specmesh.v1 import specmesh_pb2 as pb
 from specmesh.v1 import specmesh_pb2_grpc as pb_grpc
@@ -49,8 +48,7 @@ class DrafterServicer(WorkerServicerBase, pb_grpc.DrafterServicer):
 
 def model_proposer(config: DrafterConfig, server: ServerConfig, preloaded: LoadedModel | None) -> Proposer:
     """The draft model config.model, on a KV cache per session."""
-    loaded = as_engine(preloaded) if preloaded is not None else config.model.load(server)
-    return DraftEngine(loaded, server.limits)
+    return DraftEngine(config.model.load(server, preloaded), server.limits)
 
 
 def ngram_proposer(config: DrafterConfig, server: ServerConfig, preloaded: LoadedModel | None) -> Proposer:

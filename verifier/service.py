@@ -7,7 +7,6 @@ from contextlib import contextmanager
 
 import grpc
 
-from specmesh.runtime.engine import as_engine
 from specmesh.runtime.models import LoadedModel
 from specmesh.v1 import specmesh_pb2 as pb
 from specmesh.v1 import specmesh_pb2_grpc as pb_grpc
@@ -65,8 +64,7 @@ class VerifierRole:
         pb_grpc.add_VerifierServicer_to_server(VerifierServicer(worker), server)
 
     def build_engine(self, config: ServerConfig) -> VerifyEngine:
-        loaded = as_engine(self._preloaded) if self._preloaded is not None else self.config.model.load(config)
-        return VerifyEngine(loaded, config.limits, self.config.batching)
+        return VerifyEngine(self.config.model.load(config, self._preloaded), config.limits, self.config.batching)
 
     def info_fields(self, engine: VerifyEngine) -> dict[str, float]:
         return {"verify_base_s": engine.verify_base_s, "verify_per_draft_s": engine.verify_per_draft_s}

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from specmesh.runtime import onednn
-from specmesh.runtime.engine import ENGINES, ModelEngine, load_engine
+from specmesh.runtime.engine import ENGINES, ModelEngine, as_engine, load_engine
+from specmesh.runtime.models import LoadedModel
 from specmesh.wire.limits import DEFAULT_MAX_DRAFT_TOKENS
 from specmesh.wire.security import TlsFiles
 from specmesh.worker.session_store import SessionLimits
@@ -65,9 +66,11 @@ class ModelConfig:
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
 
-    def load(self, server: ServerConfig) -> ModelEngine:
+    def load(self, server: ServerConfig, preloaded: LoadedModel | None = None) -> ModelEngine:
         """The model on its engine, sized for the server's sessions and context (llama.cpp allocates its KV cells
-        for them up front)."""
+        for them up front); or `preloaded`, a model already in memory (tests, embedding), on the transformers engine."""
+        if preloaded is not None:
+            return as_engine(preloaded)
         return load_engine(self.model, engine=self.engine, device=self.device, dtype=self.dtype,
                            linear_backend=self.linear_backend, threads=self.threads,
                            max_sessions=server.limits.max_sessions, context_length=server.max_context_length)

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import pytest
 
 from coordinator.local_workers import LocalWorker, LocalWorkerSpec
+from coordinator.polling import wait_until
 from specmesh.runtime.models import load_model
 from tests.helpers import reference_greedy
 
@@ -83,11 +83,8 @@ def expected(tiny, prompt):
 
 def poll(condition: Callable[[], bool], timeout_s: float = 10.0, what: str = "condition") -> None:
     """Wait for `condition` by polling (never a fixed sleep); fail with `what` after timeout_s."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.02)
+    if not wait_until(condition, timeout_s, interval_s=0.02):
+        raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
 def once(action: Callable[[], None], after_calls: int = 1) -> Callable[[str], None]:

@@ -53,7 +53,7 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     has_chat_template: bool
-    linear_backend: str = "torch"  # "onednn": nn.Linear layers pre-packed for oneDNN (specmesh/runtime/onednn.py)
+    linear_backend: str = "torch"  # "onednn": nn.Linear layers run by oneDNN (specmesh/runtime/onednn.py)
 
 
 # --------------------------------------------------------------------------
@@ -340,9 +340,8 @@ def load_model(
     vocab_size = _logits_width(model)  # before packing: it reads the output layer's weight
     if packed:
         onednn.pack_linears(model)
-        # The checkpoint is memory-mapped and stays mapped while any tensor views it: copy what was not packed
-        # (embeddings, norms) so that the mapping goes and the weights are held once (RSS 12.0 -> 7.1 GiB for the
-        # 1.5B target in float32, weights 6.6 GiB).
+        # The checkpoint is memory-mapped and stays mapped while any tensor views it: copy every tensor out once so
+        # that the mapping goes and the weights are held once, in anonymous memory that oneDNN reads in place.
         with torch.no_grad():
             for tensor in [*model.parameters(), *model.buffers()]:
                 tensor.data = tensor.data.clone()

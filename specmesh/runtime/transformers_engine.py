@@ -10,7 +10,6 @@ from specmesh.runtime.batched_forward import batched_logits, can_batch
 from specmesh.runtime.devices import dtype_name
 from specmesh.runtime.kv_cache import CachedSequence
 from specmesh.runtime.models import LoadedModel
-from specmesh.runtime.onednn import OneDnnLinear
 from specmesh.runtime.model_thread import ModelThread
 
 
@@ -26,12 +25,8 @@ class _ThreadedSequence(CachedSequence):
 
 
 def weights_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the parameters and buffers, and of the oneDNN-packed weights (plain attributes, see onednn.py)."""
+    """Bytes of the parameters and buffers (oneDNN linears use the layers' own weights, see onednn.py)."""
     tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}  # tied weights count once
-    for module in model.modules():
-        if isinstance(module, OneDnnLinear):
-            tensors[id(module.packed_weight)] = module.packed_weight
-            tensors[id(module.packed_bias)] = module.packed_bias
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 

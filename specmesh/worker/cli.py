@@ -44,7 +44,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser, default_model: str) -> 
                         "any HF model in torch (exact in float32, GPUs); auto = llamacpp for GGUF files and catalog "
                         "models on CPU unless --dtype is given, else transformers")
     parser.add_argument("--linear-backend", choices=onednn.BACKENDS, default="auto",
-                        help="CPU linear layers: onednn pre-packs the weights for oneDNN, which makes a pass over a "
+                        help="CPU linear layers: onednn runs them with oneDNN's inner product, which makes a pass over a "
                         "few tokens (verifying k drafts, batched sessions) far cheaper than torch's default kernels; "
                         "auto = onednn on CPU where it supports the dtype")
     parser.add_argument("--threads", type=int, default=None,

@@ -54,7 +54,7 @@ class ModelConfig:
     engine: str = "auto"  # "transformers", "llamacpp", or auto: llama.cpp for GGUF models on CPU (specmesh/runtime)
     device: str = "auto"
     dtype: str = "auto"
-    linear_backend: str = "auto"  # CPU: "onednn" pre-packs linear layers (specmesh/runtime/onednn.py), "torch" does not
+    linear_backend: str = "auto"  # CPU: "onednn" runs linear layers on oneDNN (specmesh/runtime/onednn.py), "torch" does not
     threads: int | None = None
 
     def __post_init__(self) -> None:

@@ -1,4 +1,4 @@
-"""oneDNN pre-packed linear layers: same results as torch's kernels (to float32 rounding), far cheaper multi-token
+"""oneDNN linear layers: same results as torch's kernels (to float32 rounding), far cheaper multi-token
 passes (measured by scripts, not asserted here)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specmesh.runtime import onednn
+from specmesh.runtime import onednn, transformers_engine
 from specmesh.runtime.kv_cache import CachedSequence
 from specmesh.runtime.models import load_model
 
@@ -38,6 +38,20 @@ def test_packed_model_matches_torch_kernels_with_kv_cache(preset):
     for end in (20, 25, 31, 40):  # growing sequence: prefill then multi-token steps through the KV cache
         torch.testing.assert_close(b.logits_for(tokens[:end], 5), a.logits_for(tokens[:end], 5), rtol=1e-4,
                                    atol=1e-4)
+
+
+def test_tied_output_layer_keeps_one_copy_of_the_embedding():
+    torch.manual_seed(0)
+    embedding = torch.nn.Embedding(50, 16)
+    output = torch.nn.Linear(16, 50, bias=False)
+    output.weight = embedding.weight  # tied, as Qwen2.5 ties lm_head to embed_tokens
+    model = torch.nn.ModuleDict({"embed": embedding, "head": output})
+    x = torch.randn(3, 16)
+    expected = output(x)
+    onednn.pack_linears(model)
+    assert model["head"].weight is model["embed"].weight
+    assert transformers_engine.weights_bytes(model) == 50 * 16 * 4
+    torch.testing.assert_close(model["head"](x), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_backend_choice_is_validated():

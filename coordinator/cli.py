@@ -45,6 +45,10 @@ def add_fleet_arguments(p: argparse.ArgumentParser) -> None:
                    "accepted (pays when drafter and verifier run on different hosts; same output either way)")
     p.add_argument("--connect-timeout", type=float, default=60.0,
                    help="seconds to wait at start for a SERVING verifier (and drafter)")
+    p.add_argument("--unreachable-timeout", type=float, default=5.0,
+                   help="seconds to wait at start when every verifier (or drafter) refuses connections or its name "
+                   "does not resolve, before giving up with that cause (workers that answer but still load their "
+                   "model are waited for up to --connect-timeout; TLS mismatches fail at once)")
     add_resilience_arguments(p)
     add_client_security_flags(p)
     add_metrics_flags(p)
@@ -139,7 +143,7 @@ def connected(args: argparse.Namespace, progress: bool) -> Iterator:
             verifier=args.verifier or [addresses["verifier"]],
             drafter=(args.drafter or [addresses["drafter"]]) if need_drafter else None,
             resilience=resilience_from(args), security=security_from(args), record=args.record,
-            connect_timeout_s=args.connect_timeout))
+            connect_timeout_s=args.connect_timeout, unreachable_timeout_s=args.unreachable_timeout))
 
 
 def generate(args: argparse.Namespace) -> int:

@@ -118,9 +118,12 @@ class Coordinator:
 
     def __init__(self, verifier: str | Sequence[str], drafter: str | Sequence[str] | None = None, tokenizer=None,
                  resilience: ResilienceConfig = ResilienceConfig(), connect_timeout_s: float = 30.0,
-                 security: ClientSecurity | None = None, record: str | None = None) -> None:
+                 security: ClientSecurity | None = None, record: str | None = None,
+                 unreachable_timeout_s: float | None = None) -> None:
         """`security`: TLS files and bearer token for reaching the workers (default: plaintext, with the token from
-        $SPECMESH_TOKEN_FILE / $SPECMESH_TOKEN when set)."""
+        $SPECMESH_TOKEN_FILE / $SPECMESH_TOKEN when set). TLS settings that do not match a worker's fail at once
+        (WorkerError naming the cause); workers that refuse connections fail after `unreachable_timeout_s` (None:
+        after `connect_timeout_s`, like workers that are still loading)."""
         self.resilience = resilience
         self.recorder = Recorder(record) if record else None
         security = security if security is not None else ClientSecurity(token=load_token())
@@ -131,8 +134,9 @@ class Coordinator:
             if drafter:
                 self.drafters = WorkerPool([drafter] if isinstance(drafter, str) else drafter, "drafter",
                                            resilience, self.verifiers.transitions, security)
-            self.verifier_info = self._info(self.verifiers, connect_timeout_s)
-            self.drafter_info = self._info(self.drafters, connect_timeout_s) if self.drafters else None
+            self.verifier_info = self._info(self.verifiers, connect_timeout_s, unreachable_timeout_s)
+            self.drafter_info = (self._info(self.drafters, connect_timeout_s, unreachable_timeout_s)
+                                 if self.drafters else None)
             if self.drafter_info is not None:
                 check_compatible(self.drafter_info, self.verifier_info)
             self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(self.verifier_info.model_name)
@@ -162,11 +166,13 @@ class Coordinator:
                             [([e.role, e.address], e.sessions) for e in endpoints])
 
     @staticmethod
-    def _info(pool: WorkerPool, timeout_s: float):
-        endpoint = pool.wait_any_serving(timeout_s)
+    def _info(pool: WorkerPool, timeout_s: float, unreachable_timeout_s: float | None):
+        endpoint = pool.wait_any_serving(timeout_s, unreachable_timeout_s)  # WorkerError early if unreachable
         if endpoint is None:
+            errors = pool.connect_errors()
             raise WorkerError(f"no {pool.role} SERVING within {timeout_s:.0f} s at "
-                              f"{', '.join(e.address for e in pool.endpoints)}")
+                              f"{', '.join(e.address for e in pool.endpoints)}"
+                              + (f" (last error: {errors})" if errors else ""))
         return endpoint.info()  # raises WorkerError saying what failed
 
     def __enter__(self) -> "Coordinator":

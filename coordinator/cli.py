@@ -45,6 +45,10 @@ def add_fleet_arguments(p: argparse.ArgumentParser) -> None:
                    "accepted (pays when drafter and verifier run on different hosts; same output either way)")
     p.add_argument("--connect-timeout", type=float, default=60.0,
                    help="seconds to wait at start for a SERVING verifier (and drafter)")
+    p.add_argument("--unreachable-timeout", type=float, default=5.0,
+                   help="seconds to wait at start when every verifier (or drafter) refuses connections or its name "
+                   "does not resolve, before giving up with that cause (workers that answer but still load their "
+                   "model are waited for up to --connect-timeout; TLS mismatches fail at once)")
     add_resilience_arguments(p)
     add_client_security_flags(p)
     add_metrics_flags(p)
@@ -139,10 +143,26 @@ def connected(args: argparse.Namespace, progress: bool) -> Iterator:
             verifier=args.verifier or [addresses["verifier"]],
             drafter=(args.drafter or [addresses["drafter"]]) if need_drafter else None,
             resilience=resilience_from(args), security=security_from(args), record=args.record,
-            connect_timeout_s=args.connect_timeout))
+            connect_timeout_s=args.connect_timeout, unreachable_timeout_s=args.unreachable_timeout))
 
 
 def generate(args: argparse.Namespace) -> int:
+    streamed: list[str] = []  # the text shown so far, for the report of an interrupted run
+    try:
+        return run_generation(args, streamed)
+    except KeyboardInterrupt:
+        # Ctrl-C: whatever was running (loading workers, a gRPC call) has unwound and the local workers are stopped
+        # (or, on a second Ctrl-C during that, end by themselves with this process: coordinator/local_workers.py).
+        text = "".join(streamed)
+        if args.json:
+            print(json.dumps({"status": "interrupted", "text": text}))
+        print(f"\ncoordinator: interrupted after {len(text)} characters of output", file=sys.stderr)
+        return 130  # 128 + SIGINT, what a shell reports for a command ended by Ctrl-C
+
+
+def run_generation(args: argparse.Namespace, streamed: list[str]) -> int:
+    """`coordinator generate`; every piece of text it prints (or would print, with --json) is appended to
+    `streamed`."""
     # Heavy imports (torch, transformers) only for the commands that need them.
     from coordinator.api import GenerationFailed, GenerationOptions
     from coordinator.worker_client import WorkerError
@@ -165,11 +185,13 @@ def generate(args: argparse.Namespace) -> int:
             return 1
 
         def emit(text: str) -> None:
-            sys.stdout.write(text)
-            sys.stdout.flush()
+            streamed.append(text)
+            if not args.json:
+                sys.stdout.write(text)
+                sys.stdout.flush()
 
         try:
-            result = coordinator.generate(args.prompt, options, on_text=None if args.json else emit)
+            result = coordinator.generate(args.prompt, options, on_text=emit)
             status = 0
         except GenerationFailed as e:
             result, status = e.partial, 1

@@ -17,14 +17,16 @@ from functools import partial
 import grpc
 from grpc_health.v1 import health_pb2
 
+from coordinator.connect_errors import diagnose
 from coordinator.polling import wait_until
 from coordinator.resilience import EndpointBreaker, NoWorkerAvailable, ResilienceConfig, TransitionLog
-from coordinator.worker_client import RemoteWorker
+from coordinator.worker_client import RemoteWorker, WorkerError
 from specmesh.wire.security import ClientSecurity
 
 log = logging.getLogger("specmesh.fleet")
 
 _SERVING = health_pb2.HealthCheckResponse.SERVING
+MISCONFIGURED_AFTER_S = 2.0  # how long every endpoint must fail to connect before start-up gives up on a cause
 
 
 def expand_targets(targets: Sequence[str]) -> list[str]:
@@ -58,6 +60,8 @@ class Endpoint:
         self.breaker = breaker
         self.serving = False
         self.sessions = 0  # generations currently pinned here
+        self.last_error = ""  # the details of the health stream's last failure; "" once it delivers a status
+        self.failing_since: float | None = None  # monotonic time since when every health stream has failed
         self._health_log = health_log
         self._closed = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name=f"health-{self.address}", daemon=True)
@@ -87,10 +91,15 @@ class Endpoint:
         while not self._closed.is_set():
             try:
                 for reply in self.client.health.Watch(health_pb2.HealthCheckRequest(service="")):
+                    self.last_error, self.failing_since = "", None  # reachable (perhaps still loading)
                     self._set_serving(reply.status == _SERVING)
                     backoff = 0.1
-            except grpc.RpcError:
-                pass  # the worker is gone or restarting: not serving until a new stream says otherwise
+            except grpc.RpcError as e:
+                # The worker is gone or restarting, or cannot be reached at all: not serving until a new stream says
+                # otherwise. What failed is kept for the start-up diagnosis (WorkerPool.wait_any_serving).
+                self.last_error = f"{e.code().name}: {e.details()}"
+                if self.failing_since is None:
+                    self.failing_since = time.monotonic()
             self._set_serving(False)
             self._closed.wait(backoff)
             backoff = min(backoff * 2, 0.5)  # a restarted worker is seen within half a second
@@ -111,6 +120,8 @@ class WorkerPool:
                  connect: Connect | None = None) -> None:
         """`connect` makes each endpoint's client (default: a RemoteWorker with `security`; tests pass fakes)."""
         self.role, self.config, self.targets = role, config, list(targets)
+        self.security = security
+        self._diagnoses: dict[tuple[str, str], object] = {}  # (address, error) -> ConnectFailure | None
         self.connect = connect if connect is not None else partial(RemoteWorker, security=security)
         self.transitions = transitions or TransitionLog()
         self.health_log: Counter = Counter()  # (address, "SERVING"/"NOT_SERVING") -> times seen
@@ -133,10 +144,42 @@ class WorkerPool:
     def first_serving(self) -> Endpoint | None:
         return next((e for e in self.endpoints if e.serving), None)
 
-    def wait_any_serving(self, timeout_s: float) -> Endpoint | None:
-        """The first endpoint health reports SERVING, waiting up to `timeout_s` for one; None if none is."""
-        wait_until(self.first_serving, timeout_s)
+    def wait_any_serving(self, timeout_s: float, unreachable_timeout_s: float | None = None) -> Endpoint | None:
+        """The first endpoint health reports SERVING, waiting up to `timeout_s` for one; None if none is.
+
+        Fails fast (WorkerError naming the cause) when no endpoint can even be connected to: after
+        MISCONFIGURED_AFTER_S for TLS settings that do not match the worker's, after `unreachable_timeout_s` for
+        refused connections and unknown names (None: wait the whole `timeout_s` for those). A worker that answers
+        but is still loading is waited for."""
+        def give_up_if_unreachable() -> None:
+            failing = [e for e in self.endpoints if e.failing_since is not None and e.last_error]
+            if not self.endpoints or len(failing) < len(self.endpoints):
+                return  # some endpoint is reachable (or has not been tried yet): keep waiting
+            now = time.monotonic()
+            if now - max(e.failing_since for e in failing) < MISCONFIGURED_AFTER_S:
+                return  # a moment of failure proves nothing (a worker restarting)
+            failures = [self._diagnose(e) for e in failing]
+            if any(f is None for f in failures):
+                return  # a cause we cannot name (a timeout): the full timeout applies
+            longest = now - min(e.failing_since for e in failing)
+            if all(f.misconfigured for f in failures) or (
+                    unreachable_timeout_s is not None and longest >= unreachable_timeout_s):
+                raise WorkerError("; ".join(f"{self.role} at {e.address}: {f.cause}"
+                                            for e, f in zip(failing, failures)))
+
+        wait_until(self.first_serving, timeout_s, on_wait=give_up_if_unreachable)
         return self.first_serving()
+
+    def _diagnose(self, endpoint: Endpoint):
+        """The endpoint's connect failure, worked out once per distinct error (it may open a TLS connection)."""
+        key = (endpoint.address, endpoint.last_error)
+        if key not in self._diagnoses:
+            self._diagnoses[key] = diagnose(endpoint.address, endpoint.last_error, self.security)
+        return self._diagnoses[key]
+
+    def connect_errors(self) -> str:
+        """What the endpoints' health streams last failed with ("" when none failed), for a timeout's message."""
+        return "; ".join(f"{e.address}: {e.last_error}" for e in self.endpoints if e.last_error)
 
     def pick(self, avoid: Endpoint | None = None) -> Endpoint:
         """A usable endpoint with the fewest pinned sessions, other than `avoid` when there is a choice."""

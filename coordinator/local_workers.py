@@ -45,7 +45,7 @@ class LocalWorker:
         self._log = open(self.log_path, "ab")
         command = [sys.executable, "-m", spec.role, "serve", "--model", spec.model, "--host", "127.0.0.1",
                    "--port", str(spec.port), "--device", spec.device, "--dtype", spec.dtype, "--engine", spec.engine,
-                   "--grace", "1",
+                   "--grace", "1", "--exit-on-stdin-eof",
                    *spec.extra_args]
         if spec.threads:
             command += ["--threads", str(spec.threads)]
@@ -53,8 +53,12 @@ class LocalWorker:
         # the model cache are shared.
         env = {k: v for k, v in os.environ.items()
                if not k.startswith("SPECMESH_") or k in ("SPECMESH_TOKEN", "SPECMESH_TOKEN_FILE", "SPECMESH_CACHE_DIR")}
-        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=self._log, stdin=subprocess.DEVNULL,
-                                        env=env)
+        # The worker dies with this process however it ends (even SIGKILL): its stdin is a pipe only this process
+        # holds, and --exit-on-stdin-eof stops it when the pipe closes (specmesh/worker/lifeline.py says why not
+        # PR_SET_PDEATHSIG). Its own process group keeps a terminal's Ctrl-C away from it: the parent decides
+        # when its workers stop (a Ctrl-C'd `coordinator serve` drains its requests first).
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=self._log, stdin=subprocess.PIPE,
+                                        env=env, process_group=0)
         self.address = self._read_address(timeout_s=300.0)  # alive but slow (a loaded machine): keep waiting
 
     def _read_address(self, timeout_s: float) -> str:
@@ -88,6 +92,11 @@ class LocalWorker:
         """SIGKILL, and wait until the process is really gone."""
         self.process.kill()
         self.process.wait()
+        self._close_lifeline()
+
+    def _close_lifeline(self) -> None:
+        if self.process.stdin is not None and not self.process.stdin.closed:
+            self.process.stdin.close()
 
     def wait_serving(self, timeout_s: float = 120.0, on_wait: Callable[[], None] | None = None) -> None:
         """Wait until the worker reports SERVING; WorkerError at once if the process exits first."""
@@ -111,6 +120,7 @@ class LocalWorker:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        self._close_lifeline()
         if not self._log.closed:
             self._log.close()
 

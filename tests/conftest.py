@@ -1,6 +1,84 @@
+import os
+import signal
+import time
+import uuid
+from pathlib import Path
+
 import pytest
 
 from specmesh.runtime.models import load_model
+
+# Every process a test starts inherits this variable (a name outside SPECMESH_*, which local workers do not pass on):
+# at the end of the session, any process still carrying this run's value was left behind, even one whose parent has
+# died and which now belongs to PID 1. With pytest-xdist each test process marks and checks its own.
+RUN_MARK = "PYTEST_SPECMESH_RUN"
+LEAK_WAIT_S = 20.0  # how long stragglers may take to finish stopping (a worker's grace period, a parent's lifeline)
+
+
+def _alive(pid: int) -> bool:
+    """Running (or stopped), not a zombie waiting to be reaped."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
+
+
+def _parents() -> dict[int, int]:
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
+            except (OSError, ValueError, IndexError):
+                pass  # gone meanwhile
+    return parents
+
+
+def left_behind(mark: str) -> list[int]:
+    """Live processes, other than this one, that descend from it or carry `mark` in their environment."""
+    me, parents = os.getpid(), _parents()
+    found = set()
+    for pid in parents:
+        ancestor, seen = parents.get(pid), 0
+        while ancestor and ancestor != me and seen < 64:
+            ancestor, seen = parents.get(ancestor), seen + 1
+        if ancestor == me:
+            found.add(pid)
+        elif pid != me:
+            try:
+                if f"{RUN_MARK}={mark}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                    found.add(pid)
+            except OSError:
+                pass  # gone meanwhile, or not ours to read
+    return sorted(pid for pid in found if _alive(pid))
+
+
+def _command_line(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return "?"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_process_left_behind():
+    """A test run leaves no process running: checked once every test (and fixture) of this process has finished."""
+    mark = uuid.uuid4().hex
+    os.environ[RUN_MARK] = mark
+    yield
+    deadline = time.monotonic() + LEAK_WAIT_S
+    while (stragglers := left_behind(mark)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if stragglers:
+        described = [f"{pid}: {_command_line(pid)}" for pid in stragglers]
+        for pid in stragglers:
+            try:
+                os.kill(pid, signal.SIGKILL)  # this run's own processes: do not leave them to the next one
+            except OSError:
+                pass
+        pytest.fail("processes started by the tests were still running at the end of the session:\n"
+                    + "\n".join(described), pytrace=False)
 
 
 @pytest.fixture(scope="session")

@@ -26,6 +26,7 @@ from specmesh.runtime import model_thread
 from specmesh.runtime.engine import ENGINES
 from specmesh.wire.security import TlsFiles, exposure_warning, load_token
 from specmesh.worker.config import FaultInjection, ModelConfig, ServerConfig
+from specmesh.worker.lifeline import exit_when_stdin_closes
 from specmesh.worker.role import WorkerRole
 from specmesh.worker.server import WorkerServer
 from specmesh.worker.session_store import SessionLimits
@@ -59,6 +60,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser, default_model: str) -> 
                         "16384, and its KV cache holds this many tokens shared by all sessions)")
     parser.add_argument("--grace", type=float, default=10.0,
                         help="seconds in-flight calls may finish after SIGTERM")
+    parser.add_argument("--exit-on-stdin-eof", action="store_true",
+                        help="stop as on SIGTERM when stdin reaches end of file: a parent process that starts this "
+                        "worker keeps stdin open, so the worker ends with its parent however the parent ends "
+                        "(the coordinator's local workers use it; default: off)")
     parser.add_argument("--inject-latency", type=float, default=0.0,
                         help="testing: wait this many seconds before every Propose/Verify")
     add_metrics_flags(parser)
@@ -72,6 +77,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser, default_model: str) -> 
     limits.add_argument("--max-concurrent-rpcs", type=int, default=64,
                         help="calls in progress at once; more are answered RESOURCE_EXHAUSTED")
     add_server_security_flags(parser.add_argument_group("security"))
+
+
+class LoadAbandoned(BaseException):
+    """Raised on the main thread by SIGTERM/SIGINT while the model loads. A BaseException, like KeyboardInterrupt,
+    so that no `except Exception` inside a model loader swallows it."""
 
 
 @dataclass(frozen=True)
@@ -125,15 +135,18 @@ def serve_main(command: RoleCommand, argv: list[str] | None = None) -> int:
         print(f"{role}: error: {e}", file=sys.stderr)
         return 2
 
-    stop_requested = threading.Event()
+    loading = threading.Event()
 
     def on_signal(signum, frame) -> None:
-        stop_requested.set()
         # Stop from another thread: server.stop blocks for the grace period.
         threading.Thread(target=server.stop, args=(args.grace,), daemon=True).start()
+        if loading.is_set():
+            raise LoadAbandoned  # nothing is served yet: do not spend minutes loading a model nobody will use
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    if args.exit_on_stdin_eof:
+        exit_when_stdin_closes(hard_exit_after_s=args.grace + 30)
     model_thread.use_main_thread()  # every forward pass on this thread: see specmesh/runtime/model_thread.py
     server.start()
     print(f"LISTENING {server.address}", flush=True)
@@ -141,8 +154,15 @@ def serve_main(command: RoleCommand, argv: list[str] | None = None) -> int:
     if metrics_port is not None:
         print(f"METRICS http://{args.metrics_host}:{metrics_port}/metrics", flush=True)
     try:
+        loading.set()
         server.load()
+        loading.clear()  # inside the try: a signal from here on is a normal graceful stop
+    except LoadAbandoned:
+        logging.getLogger(role).warning("stopped while loading the model")
+        server.stop(grace=0)
+        return 0
     except Exception as e:  # a model that cannot load is fatal for a worker: say why and exit non-zero
+        loading.clear()
         logging.getLogger(role).error("could not load model %r: %s", args.model, e)
         server.stop(grace=0)
         return 1

@@ -27,6 +27,7 @@ from specmesh.wire.history import ResyncRequired
 from specmesh.wire.security import ConcurrencyLimitInterceptor, TokenAuthInterceptor, caller_identity
 from specmesh.wire.validation import check_session_id
 from specmesh.worker.config import FaultInjection, ServerConfig
+from specmesh.worker.malformed_requests import MalformedRequestInterceptor
 from specmesh.worker.role import WorkerEngine, WorkerRole
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,20 @@ def resident_bytes() -> int:
         return 0
 
 
+# What a servicer's exception is answered with, first match wins; the code also labels the rpc metrics. Anything else
+# propagates (gRPC answers UNKNOWN).
+ERROR_STATUS: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
+    (NotReady, grpc.StatusCode.UNAVAILABLE),
+    (Cancelled, grpc.StatusCode.CANCELLED),
+    (ResyncRequired, grpc.StatusCode.FAILED_PRECONDITION),
+    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
+)
+
+
+def status_for(error: Exception) -> grpc.StatusCode:
+    return next((code for kind, code in ERROR_STATUS if isinstance(error, kind)), grpc.StatusCode.UNKNOWN)
+
+
 def rpc(handler: Callable) -> Callable:
     """Map exceptions of a servicer method to gRPC status codes; the server keeps serving after any of them."""
 
@@ -62,10 +77,12 @@ def rpc(handler: Callable) -> Callable:
         try:
             return handler(self, request, context)
         except Exception as e:
-            code = ("UNAVAILABLE" if isinstance(e, NotReady) else "CANCELLED" if isinstance(e, Cancelled) else
-                    "FAILED_PRECONDITION" if isinstance(e, ResyncRequired) else
-                    "INVALID_ARGUMENT" if isinstance(e, ValueError) else "UNKNOWN")
-            _abort(context, e)
+            status = status_for(e)
+            code = status.name
+            if status == grpc.StatusCode.UNKNOWN:
+                raise
+            # The resync prefix is what clients recognise (coordinator/channel.py).
+            context.abort(status, f"{RESYNC_PREFIX} {e}" if isinstance(e, ResyncRequired) else str(e))
         finally:
             service = self.worker.role.name
             metrics.RPC_REQUESTS.labels(service, handler.__name__, code).inc()
@@ -73,19 +90,6 @@ def rpc(handler: Callable) -> Callable:
             log.debug("%s %s in %.1f ms", handler.__name__, code, 1000 * (time.perf_counter() - started))
 
     return wrapper
-
-
-def _abort(context: grpc.ServicerContext, error: Exception) -> None:
-    """Answer with the status code that matches `error`; anything unexpected propagates (gRPC answers UNKNOWN)."""
-    if isinstance(error, NotReady):
-        context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
-    if isinstance(error, Cancelled):
-        context.abort(grpc.StatusCode.CANCELLED, str(error))
-    if isinstance(error, ResyncRequired):
-        context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{RESYNC_PREFIX} {error}")
-    if isinstance(error, ValueError):
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-    raise error
 
 
 class WorkerServicerBase:
@@ -151,8 +155,10 @@ class WorkerServer:
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.max_concurrent_rpcs + 8,
                                                               thread_name_prefix=role.name),
                                    options=options,
-                                   # Authentication first: an unauthenticated caller never takes a slot.
+                                   # Authentication first: an unauthenticated caller never takes a slot; nor
+                                   # does a request that is not a valid message.
                                    interceptors=[*([TokenAuthInterceptor(config.token)] if config.token else []),
+                                                 MalformedRequestInterceptor(),
                                                  ConcurrencyLimitInterceptor(config.max_concurrent_rpcs)])
         self.health = health.HealthServicer(experimental_non_blocking=True)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)

@@ -111,7 +111,8 @@ class WorkerPool:
                  connect: Connect | None = None) -> None:
         """`connect` makes each endpoint's client (default: a RemoteWorker with `security`; tests pass fakes)."""
         self.role, self.config, self.targets = role, config, list(targets)
-        self.connect = connect if connect is not None else partial(RemoteWorker, security=security)
+        self.connect = connect if connect is not None else partial(RemoteWorker, security=security,
+                                                                   options=config.channel_options())
         self.transitions = transitions or TransitionLog()
         self.health_log: Counter = Counter()  # (address, "SERVING"/"NOT_SERVING") -> times seen
         self._lock = threading.Lock()

@@ -59,8 +59,9 @@ class ResilienceConfig:
 
     def channel_options(self) -> list[tuple[str, int]]:
         """The channel options for reaching workers, with this config's keepalive timings."""
+        timeout_ms = round(self.keepalive_timeout_s * 1000)
         keepalive = {"grpc.keepalive_time_ms": round(self.keepalive_time_s * 1000),
-                     "grpc.keepalive_timeout_ms": round(self.keepalive_timeout_s * 1000)}
+                     "grpc.keepalive_timeout_ms": timeout_ms, "grpc.http2.ping_timeout_ms": timeout_ms}
         return [(name, keepalive.get(name, value)) for name, value in CHANNEL_OPTIONS]
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from coordinator.cancel import CancelToken, GenerationCancelled
 from coordinator.draft_length import DEFAULT_POLICY, POLICIES, PRIOR_ACCEPTANCE, CostEstimate
 from coordinator.fleet import WorkerPool
 from coordinator.loop import DraftLength, LoopConfig, LoopResult, speculative_decode
@@ -84,7 +85,7 @@ class GenerationResult:
     text: str
     token_ids: list[int]
     prompt_tokens: int
-    finish_reason: str  # "eos", "length", "stop" or "error"
+    finish_reason: str  # "eos", "length", "stop", "error" or "cancelled"
     stats: dict = field(default_factory=dict)
     rounds: list = field(default_factory=list)  # coordinator.draft_length.RoundRecord per round
 
@@ -206,11 +207,13 @@ class Coordinator:
         return self.tokenizer(text)["input_ids"]
 
     def generate(self, prompt: str | list[int], options: GenerationOptions = GenerationOptions(),
-                 on_text: Callable[[str], None] | None = None) -> GenerationResult:
+                 on_text: Callable[[str], None] | None = None,
+                 cancel: CancelToken | None = None) -> GenerationResult:
         """Generate a completion; `on_text` receives text as it is accepted. A prompt may be given as token ids.
 
         Raises GenerationFailed (with the partial result) when no verifier could serve a step within the retry
-        budget."""
+        budget, and GenerationCancelled (with the partial result) soon after `cancel` is cancelled: the RPCs in
+        flight are cancelled and the workers' sessions ended."""
         prompt_ids = list(prompt) if isinstance(prompt, list) else self.encode_prompt(prompt, options.chat)
         if not prompt_ids:
             raise ValueError("the prompt is empty")
@@ -224,21 +227,24 @@ class Coordinator:
         logs.session_id.set(session_id)
         faults = FaultStats()
         target = FailoverTargetSession(self.verifiers, session_id, prompt_ids, options.sampling, seed,
-                                       self.resilience, faults)
+                                       self.resilience, faults, cancel)
         drafter = (DegradingDraftSession(self.drafters, session_id, prompt_ids, options.sampling, seed,
-                                         self.resilience, faults) if use_drafter else None)
+                                         self.resilience, faults, cancel) if use_drafter else None)
         stream = TextStream(self.tokenizer, options.stop, on_text)
         loop = LoopResult()
         started = time.perf_counter()
         try:
             speculative_decode(drafter, target, config, on_tokens=stream.push, result=loop)
-        except (grpc.RpcError, NoWorkerAvailable) as e:
+        except (grpc.RpcError, NoWorkerAvailable, GenerationCancelled) as e:
             stream.finish()
-            partial = GenerationResult(stream.text, loop.tokens, len(prompt_ids), "error",
+            cancelled = isinstance(e, GenerationCancelled)
+            partial = GenerationResult(stream.text, loop.tokens, len(prompt_ids), "cancelled" if cancelled else "error",
                                        summarize(loop, time.perf_counter() - started, seed, faults, self.engines),
                                        loop.rounds)
             metrics.record_generation(partial, time.perf_counter() - started)
             self._finished(session_id, prompt, prompt_ids, options, partial)
+            if cancelled:
+                raise GenerationCancelled(f"generation cancelled after {len(loop.tokens)} tokens: {e}", partial) from e
             reason = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) else str(e)
             raise GenerationFailed(f"generation failed after {len(loop.tokens)} tokens: {reason}", partial) from e
         finally:

@@ -20,6 +20,8 @@ from specmesh.v1 import specmesh_pb2 as pb
 CHANNEL_OPTIONS = [
     ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
     ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    # How long grpcio waits for a ping's answer (it ignores keepalive_timeout_ms for that): a hung peer's end.
+    ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.max_receive_message_length", 16 * 1024 * 1024),

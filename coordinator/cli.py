@@ -73,6 +73,17 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="HTTP address to bind")
     p.add_argument("--port", type=int, default=8000, help="HTTP port; 0 picks a free one")
     p.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens when a request gives none")
+    from coordinator.admission import AdmissionConfig
+    d = AdmissionConfig()
+    p.add_argument("--max-concurrent-requests", type=int, default=d.max_active,
+                   help="generations running at once, each one session on the verifier fleet (keep it within the "
+                   "verifiers' --max-sessions, or sessions evict each other's KV caches)")
+    p.add_argument("--max-queue", type=int, default=d.max_queue,
+                   help="requests waiting for a running slot; beyond that a request is refused at once with HTTP "
+                   "429 and Retry-After (0: refuse whenever every slot is busy)")
+    p.add_argument("--grace", type=float, default=30.0,
+                   help="on SIGTERM: seconds running requests may finish while new ones get 503; then they are "
+                   "cancelled")
     add_fleet_arguments(p)
     add_logging_flags(p, level="INFO")
 
@@ -213,7 +224,9 @@ def serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
+    from coordinator.admission import AdmissionConfig
     from coordinator.http_api import create_app
+    from coordinator.http_server import DrainingServer
     from coordinator.worker_client import WorkerError
     from specmesh.ops.logs import configure_logging
     try:
@@ -221,6 +234,9 @@ def serve(args: argparse.Namespace) -> int:
         resilience_from(args), security_from(args)
         if args.draft_tokens is not None and not 0 <= args.draft_tokens <= 64:
             raise ValueError(f"draft_tokens must be in 0..64, got {args.draft_tokens}")
+        if not args.grace >= 0:
+            raise ValueError(f"grace must be >= 0 seconds, got {args.grace}")
+        admission = AdmissionConfig(max_active=args.max_concurrent_requests, max_queue=args.max_queue)
         listener = socket.create_server((args.host, args.port))  # bound first: port 0 gets a real port to report
     except (ValueError, OSError) as e:
         print(f"coordinator: error: {e}", file=sys.stderr)
@@ -232,10 +248,12 @@ def serve(args: argparse.Namespace) -> int:
         with connected(args, progress=True) as coordinator:
             app = create_app(coordinator, default_max_tokens=args.default_max_tokens,
                              draft_tokens=args.draft_tokens, draft_policy=args.draft_policy,
-                             pipeline=args.pipeline)
+                             pipeline=args.pipeline, admission=admission)
             host, port = listener.getsockname()[:2]
             print(f"LISTENING http://{host}:{port}", flush=True)
-            uvicorn.Server(uvicorn.Config(app, log_level="info")).run(sockets=[listener])
+            # SIGTERM drains first (coordinator/http_server.py); the timeout only bounds uvicorn's own wait after it.
+            config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=5)
+            DrainingServer(config, app.state.completions, args.grace).run(sockets=[listener])
     except WorkerError as e:
         print(f"coordinator: error: {e}", file=sys.stderr)
         return 1

@@ -122,7 +122,8 @@ class WorkerPool:
         self.role, self.config, self.targets = role, config, list(targets)
         self.security = security
         self._diagnoses: dict[tuple[str, str], object] = {}  # (address, error) -> ConnectFailure | None
-        self.connect = connect if connect is not None else partial(RemoteWorker, security=security)
+        self.connect = connect if connect is not None else partial(RemoteWorker, security=security,
+                                                                   options=config.channel_options())
         self.transitions = transitions or TransitionLog()
         self.health_log: Counter = Counter()  # (address, "SERVING"/"NOT_SERVING") -> times seen
         self._lock = threading.Lock()

@@ -1,15 +1,21 @@
 """OpenAI-compatible HTTP API in front of a Coordinator (FastAPI): /v1/completions, /v1/chat/completions (both also
 streaming as server-sent events), /v1/models and /health. Generations run in worker threads, so concurrent requests
-are served concurrently; each is one session on the verifier fleet."""
+are served concurrently; each is one session on the verifier fleet.
+
+Admission (coordinator/admission.py) bounds the generations running and the requests waiting for one; the rest are
+refused at once (429, Retry-After). A client that disconnects cancels its generation (coordinator/cancel.py): the
+RPCs in flight are cancelled and the workers' sessions ended, so nothing more is computed for it."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -17,10 +23,13 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
-from starlette.concurrency import run_in_threadpool
 
+from coordinator.admission import RETRY_AFTER_S, Admission, AdmissionConfig, Refused
 from coordinator.api import Coordinator, GenerationFailed, GenerationOptions, GenerationResult
+from coordinator.cancel import CancelToken, GenerationCancelled
 from coordinator.draft_length import DEFAULT_POLICY
+
+log = logging.getLogger("specmesh.http")
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "error": "error"}
 
@@ -57,9 +66,16 @@ class ChatRequest(_Common):
 
 
 def error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
-          code: str | None = None) -> JSONResponse:
-    return JSONResponse(status_code=status,
+          code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(status_code=status, headers=headers,
                         content={"error": {"message": message, "type": kind, "param": param, "code": code}})
+
+
+def refusal(refused: Refused) -> JSONResponse:
+    """429 (at capacity) or 503 (shutting down), both saying when to try again."""
+    kind = "rate_limit_error" if refused.status == 429 else "service_unavailable_error"
+    return error(refused.status, str(refused), kind=kind, code=refused.code,
+                 headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -118,49 +134,99 @@ class Reply:
 
 
 def generate_into(coordinator: Coordinator, prompt_ids: list[int], choices: list[GenerationOptions],
-                  put: Callable[[tuple], None]) -> None:
+                  put: Callable[[tuple], None], cancel: CancelToken) -> None:
     """Run the generations one after the other (in a thread), handing ("text", index, text), ("done", index, result),
-    ("failed", index, error) and finally ("end", None, None) to `put` as they happen; a failure ends the stream."""
+    ("failed", index, error), ("cancelled", index, error) and finally ("end", None, None) to `put` as they happen; a
+    failure or a cancel ends the stream."""
     for index, options in enumerate(choices):
         try:
             result = coordinator.generate(list(prompt_ids), options,
-                                          on_text=lambda text, i=index: put(("text", i, text)))
+                                          on_text=lambda text, i=index: put(("text", i, text)), cancel=cancel)
             put(("done", index, result))
         except GenerationFailed as e:
             put(("failed", index, e))
             return
+        except GenerationCancelled as e:
+            put(("cancelled", index, e))
+            return
     put(("end", None, None))
 
 
-async def stream_events(coordinator: Coordinator, prompt_ids: list[int], choices: list[GenerationOptions],
-                        reply: Reply, include_usage: bool) -> AsyncIterator[str]:
+class Generation:
+    """One request's generations, running in a worker thread; their events cross over to the event loop through
+    `events` as they happen. `release` (the admission slot) is called on the event loop once the thread is done."""
+
+    def __init__(self, coordinator: Coordinator, prompt_ids: list[int], choices: list[GenerationOptions],
+                 cancel: CancelToken, executor: ThreadPoolExecutor, release: Callable[[], None]) -> None:
+        self.cancel = cancel
+        self.events: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+
+        def put(item: tuple) -> None:
+            try:
+                loop.call_soon_threadsafe(self.events.put_nowait, item)
+            except RuntimeError:
+                pass  # the event loop has closed (server stopped): nobody is listening
+
+        def run() -> None:
+            try:
+                generate_into(coordinator, prompt_ids, choices, put, cancel)
+            finally:
+                try:
+                    loop.call_soon_threadsafe(release)
+                except RuntimeError:
+                    pass
+        executor.submit(run)
+
+
+async def cancel_on_disconnect(request: Request, cancel: CancelToken) -> None:
+    """Cancel when the client disconnects (its request body has been read: what arrives next is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    cancel.cancel("the client disconnected")
+
+
+class GenerationStream(StreamingResponse):
+    """A streamed response that cancels its generation whenever the response ends early: the client disconnected
+    (Starlette stops the stream) or the server is stopping."""
+
+    def __init__(self, content: AsyncIterator[str], cancel: CancelToken) -> None:
+        super().__init__(content, media_type="text/event-stream")
+        self.cancel = cancel
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.cancel.cancel("the client disconnected")  # a no-op once the generation has ended
+
+
+def unavailable(e: Exception, code: str) -> dict:
+    return {"error": {"message": str(e), "type": "service_unavailable_error", "param": None, "code": code}}
+
+
+async def stream_events(generation: Generation, prompt_tokens: int, n_choices: int, reply: Reply,
+                        include_usage: bool) -> AsyncIterator[str]:
     """The server-sent events of a streamed response, as the generations accept text."""
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue = asyncio.Queue()
-    # Pieces of text cross over from the generating thread to the event loop as they are accepted.
-    put = lambda item: loop.call_soon_threadsafe(queue.put_nowait, item)  # noqa: E731
-    threading.Thread(target=generate_into, args=(coordinator, prompt_ids, choices, put), daemon=True,
-                     name=f"stream-{reply.request_id[-8:]}").start()
     completion_tokens = 0
     if reply.chat:
         yield reply.text_chunk(0, "", None, first=True)
     while True:
-        what, index, payload = await queue.get()
+        what, index, payload = await generation.events.get()
         if what == "text":
             yield reply.text_chunk(index, payload, None)
         elif what == "done":
             completion_tokens += len(payload.token_ids)
             yield reply.text_chunk(index, None if reply.chat else "", FINISH[payload.finish_reason])
-            if reply.chat and index + 1 < len(choices):
+            if reply.chat and index + 1 < n_choices:
                 yield reply.text_chunk(index + 1, "", None, first=True)
-        elif what == "failed":
-            yield event({"error": {"message": str(payload), "type": "service_unavailable_error", "param": None,
-                                   "code": "generation_failed"}})
+        elif what in ("failed", "cancelled"):
+            yield event(unavailable(payload, "generation_failed" if what == "failed" else "cancelled"))
             break
         else:
             break
     if include_usage:
-        yield reply.chunk([], usage=usage(len(prompt_ids), completion_tokens))
+        yield reply.chunk([], usage=usage(prompt_tokens, completion_tokens))
     yield "data: [DONE]\n\n"
 
 
@@ -168,8 +234,13 @@ class CompletionsAPI:
     """The route handlers over one Coordinator, with the server's defaults for what a request does not say."""
 
     def __init__(self, coordinator: Coordinator, default_max_tokens: int, draft_tokens: int | None,
-                 draft_policy: str, pipeline: bool) -> None:
+                 draft_policy: str, pipeline: bool, admission: AdmissionConfig = AdmissionConfig()) -> None:
         self.coordinator = coordinator
+        self.admission = Admission(admission)
+        # One thread per running generation: admission never lets more run, so nothing queues here unseen.
+        self.executor = ThreadPoolExecutor(admission.max_active, thread_name_prefix="generate")
+        self._running: set[CancelToken] = set()  # cancelled all at once when the server stops
+        self._running_lock = threading.Lock()
         self.default_max_tokens, self.draft_tokens = default_max_tokens, draft_tokens
         self.draft_policy, self.pipeline = draft_policy, pipeline
         self.model_name = coordinator.verifier_info.model_name
@@ -177,25 +248,36 @@ class CompletionsAPI:
 
     async def health(self) -> JSONResponse:
         serving = [e.address for e in self.coordinator.verifiers.endpoints if e.serving]
-        return JSONResponse(status_code=200 if serving else 503,
-                            content={"status": "ok" if serving else "unavailable", "verifiers_serving": serving})
+        status = "draining" if self.admission.draining else "ok" if serving else "unavailable"
+        return JSONResponse(status_code=200 if status == "ok" else 503,
+                            content={"status": status, "verifiers_serving": serving,
+                                     "requests_running": self.admission.active,
+                                     "requests_waiting": self.admission.waiting})
+
+    def cancel_all(self, reason: str) -> int:
+        """Cancel every generation in progress (the server is stopping); how many there were. Any thread."""
+        with self._running_lock:
+            running = list(self._running)
+        for cancel in running:
+            cancel.cancel(reason)
+        return len(running)
 
     async def models(self) -> dict:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
                                             "owned_by": "specmesh"}]}
 
-    async def completions(self, body: CompletionRequest) -> Any:
+    async def completions(self, body: CompletionRequest, request: Request) -> Any:
         prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
         if len(prompts) != 1:
             return error(400, "exactly one prompt per request is supported", param="prompt")
         if not prompts[0]:
             return error(400, "the prompt is empty", param="prompt")
-        return await self.respond(self.coordinator.encode_prompt(prompts[0], chat=False), body, body.max_tokens,
-                                  chat=False)
+        return await self.respond(request, self.coordinator.encode_prompt(prompts[0], chat=False), body,
+                                  body.max_tokens, chat=False)
 
-    async def chat_completions(self, body: ChatRequest) -> Any:
+    async def chat_completions(self, body: ChatRequest, request: Request) -> Any:
         messages = [m.model_dump() for m in body.messages]
-        return await self.respond(self.coordinator.encode_messages(messages), body,
+        return await self.respond(request, self.coordinator.encode_messages(messages), body,
                                   body.max_completion_tokens or body.max_tokens, chat=True)
 
     def options_for(self, body: _Common, max_tokens: int | None, chat: bool, index: int) -> GenerationOptions:
@@ -221,28 +303,61 @@ class CompletionsAPI:
             return error(400, str(e))
         return choices
 
-    async def respond(self, prompt_ids: list[int], body: _Common, max_tokens: int | None, chat: bool) -> Any:
+    async def respond(self, request: Request, prompt_ids: list[int], body: _Common, max_tokens: int | None,
+                      chat: bool) -> Any:
         choices = self.request_options(prompt_ids, body, max_tokens, chat)
         if isinstance(choices, JSONResponse):
             return choices
-        reply = Reply.new(chat, self.model_name)
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(stream_events(self.coordinator, prompt_ids, choices, reply, include_usage),
-                                     media_type="text/event-stream")
-        results: list[GenerationResult] = []
-        for options in choices:
+        cancel = CancelToken()
+        watcher = asyncio.create_task(cancel_on_disconnect(request, cancel))
+        try:
             try:
-                results.append(await run_in_threadpool(self.coordinator.generate, list(prompt_ids), options))
-            except GenerationFailed as e:
-                return error(503, str(e), kind="service_unavailable_error", code="generation_failed")
-        return reply.completion(results, len(prompt_ids))
+                release = await self.admission.enter()
+            except Refused as refused:
+                return refusal(refused)
+            generation = self.start(prompt_ids, choices, cancel, release)
+            reply = Reply.new(chat, self.model_name)
+            if body.stream:
+                include_usage = bool(body.stream_options and body.stream_options.include_usage)
+                # From here Starlette watches for the disconnect, and the response cancels the generation.
+                return GenerationStream(stream_events(generation, len(prompt_ids), len(choices), reply,
+                                                      include_usage), cancel)
+            return await self.collect(generation, reply, len(prompt_ids))
+        finally:
+            watcher.cancel()
+
+    def start(self, prompt_ids: list[int], choices: list[GenerationOptions], cancel: CancelToken,
+              release: Callable[[], None]) -> Generation:
+        with self._running_lock:
+            self._running.add(cancel)
+
+        def finished() -> None:
+            with self._running_lock:
+                self._running.discard(cancel)
+            release()
+        return Generation(self.coordinator, prompt_ids, choices, cancel, self.executor, finished)
+
+    async def collect(self, generation: Generation, reply: Reply, prompt_tokens: int) -> Any:
+        """The whole (non-streamed) response, once every choice has been generated."""
+        results: list[GenerationResult] = []
+        while True:
+            what, _, payload = await generation.events.get()
+            if what == "done":
+                results.append(payload)
+            elif what in ("failed", "cancelled"):
+                return JSONResponse(status_code=503, content=unavailable(
+                    payload, "generation_failed" if what == "failed" else "cancelled"))
+            elif what == "end":
+                return reply.completion(results, prompt_tokens)
 
 
 def create_app(coordinator: Coordinator, default_max_tokens: int = 256, draft_tokens: int | None = None,
-               draft_policy: str = DEFAULT_POLICY, pipeline: bool = False) -> FastAPI:
-    api = CompletionsAPI(coordinator, default_max_tokens, draft_tokens, draft_policy, pipeline)
+               draft_policy: str = DEFAULT_POLICY, pipeline: bool = False,
+               admission: AdmissionConfig = AdmissionConfig()) -> FastAPI:
+    """The app; `app.state.completions` is its CompletionsAPI (admission, cancel_all) for the server around it."""
+    api = CompletionsAPI(coordinator, default_max_tokens, draft_tokens, draft_policy, pipeline, admission)
     app = FastAPI(title="specmesh", description="OpenAI-compatible API over distributed speculative decoding")
+    app.state.completions = api
     app.add_exception_handler(RequestValidationError, invalid_request)
     app.add_api_route("/health", api.health, methods=["GET"])
     app.add_api_route("/v1/models", api.models, methods=["GET"])

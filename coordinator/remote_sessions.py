@@ -5,6 +5,8 @@ NOT_SERVING) or trips its breaker, the session moves to another healthy verifier
 full token history: no token is lost, and since random numbers come from (seed, position), a retried step decides
 exactly as the failed one would have. The drafter session never fails a generation: when no drafter can answer, the
 round degrades to k = 0 (target-only decoding, same output) until a drafter's breaker half-opens and a probe succeeds.
+Both stop at once when the generation's CancelToken is cancelled (coordinator/cancel.py): the RPC in flight is
+cancelled and GenerationCancelled ends the generation.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 import grpc
 import tenacity
 
+from coordinator.cancel import CancelToken
 from coordinator.fleet import Endpoint, WorkerPool
 from coordinator.loop import Draft
 from coordinator.channel import SyncedHistory
@@ -43,8 +46,10 @@ class FaultStats:
 class PinnedSession:
     """A session's link to one endpoint of a pool, moved when that endpoint becomes unusable."""
 
-    def __init__(self, pool: WorkerPool, prompt: Sequence[int], stats: FaultStats) -> None:
+    def __init__(self, pool: WorkerPool, prompt: Sequence[int], stats: FaultStats,
+                 cancel: CancelToken | None = None) -> None:
         self.pool = pool
+        self.cancel = cancel
         self.sync = SyncedHistory(prompt, stats)
         self.endpoint: Endpoint | None = None
         self.visited: set[str] = set()
@@ -79,6 +84,12 @@ class PinnedSession:
         endpoint.breaker.begin_call()
         return endpoint
 
+    def invoke(self, method, request, timeout: float):
+        """One RPC, cancellable through the session's CancelToken when it has one."""
+        if self.cancel is None:
+            return method(request, timeout=timeout)
+        return self.cancel.call(method, request, timeout)
+
     def record(self, endpoint: Endpoint, error: grpc.RpcError | None) -> None:
         if error is None:
             endpoint.breaker.record_success()
@@ -88,11 +99,13 @@ class PinnedSession:
 
 class FailoverTargetSession:
     def __init__(self, pool: WorkerPool, session_id: str, prompt: Sequence[int], params: SamplingParams,
-                 seed: int, config: ResilienceConfig, stats: FaultStats) -> None:
-        self.link = PinnedSession(pool, prompt, stats)
+                 seed: int, config: ResilienceConfig, stats: FaultStats, cancel: CancelToken | None = None) -> None:
+        self.link = PinnedSession(pool, prompt, stats, cancel)
         self.session_id, self._params, self._seed, self._config, self.stats = session_id, params, seed, config, stats
 
     def _verify_once(self, draft: Draft, failed: list[Endpoint]) -> pb.VerifyResponse:
+        if self.link.cancel is not None:
+            self.link.cancel.check()
         previous = self.link.endpoint
         try:
             endpoint = self.link.begin(self.link.attach(avoid=failed[-1]) if failed else self.link.current())
@@ -105,10 +118,10 @@ class FailoverTargetSession:
                         endpoint.address)
 
         def rpc(context: pb.ContextSync) -> pb.VerifyResponse:
-            return endpoint.stub.Verify(pb.VerifyRequest(
+            return self.link.invoke(endpoint.stub.Verify, pb.VerifyRequest(
                 session_id=self.session_id, context=context, draft_tokens=list(draft.tokens),
                 draft_distributions=dists_to_wire(draft.dists),
-                sampling=sampling_to_wire(self._params), seed=self._seed), timeout=self._config.verify_timeout_s)
+                sampling=sampling_to_wire(self._params), seed=self._seed), self._config.verify_timeout_s)
         try:
             response = self.link.sync.call(rpc)
         except grpc.RpcError as e:
@@ -129,6 +142,8 @@ class FailoverTargetSession:
             wait=tenacity.wait_exponential_jitter(multiplier=self._config.backoff_initial_s,
                                                   max=self._config.backoff_max_s,
                                                   jitter=self._config.backoff_initial_s),
+            # A cancel cuts the backoff short; the next attempt then raises GenerationCancelled.
+            sleep=self.link.cancel.sleep if self.link.cancel is not None else tenacity.nap.sleep,
             reraise=True)
         response = retrying(self._verify_once, draft, failed)
         verdict = Verdict(accepted=response.accepted, next_token=response.next_token)
@@ -146,11 +161,13 @@ class FailoverTargetSession:
 
 class DegradingDraftSession:
     def __init__(self, pool: WorkerPool, session_id: str, prompt: Sequence[int], params: SamplingParams,
-                 seed: int, config: ResilienceConfig, stats: FaultStats) -> None:
-        self.link = PinnedSession(pool, prompt, stats)
+                 seed: int, config: ResilienceConfig, stats: FaultStats, cancel: CancelToken | None = None) -> None:
+        self.link = PinnedSession(pool, prompt, stats, cancel)
         self.session_id, self._params, self._seed, self._config, self.stats = session_id, params, seed, config, stats
 
     def propose(self, k: int, after: Sequence[int] = ()) -> Draft:
+        if self.link.cancel is not None:
+            self.link.cancel.check()
         try:
             endpoint = self.link.begin(self.link.current())
         except NoWorkerAvailable:
@@ -161,9 +178,9 @@ class DegradingDraftSession:
             if after:  # drafting past uncommitted tokens (pipelining): they ride along as if committed
                 context = pb.ContextSync(base_length=context.base_length, base_hash=context.base_hash,
                                          new_tokens=[*context.new_tokens, *after])
-            return endpoint.stub.Propose(pb.ProposeRequest(
+            return self.link.invoke(endpoint.stub.Propose, pb.ProposeRequest(
                 session_id=self.session_id, context=context, num_tokens=k,
-                sampling=sampling_to_wire(self._params), seed=self._seed), timeout=self._config.propose_timeout_s)
+                sampling=sampling_to_wire(self._params), seed=self._seed), self._config.propose_timeout_s)
         try:
             response = self.link.sync.call(rpc)
         except grpc.RpcError as e:

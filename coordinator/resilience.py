@@ -15,7 +15,9 @@ from dataclasses import dataclass
 import grpc
 import pybreaker
 
+from coordinator.channel import CHANNEL_OPTIONS
 from specmesh.ops import metrics
+from specmesh.wire.contract import KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS, MIN_PING_INTERVAL_MS
 
 log = logging.getLogger("specmesh.resilience")
 
@@ -37,15 +39,30 @@ class ResilienceConfig:
     backoff_max_s: float = 1.0
     breaker_fail_max: int = 3         # consecutive failures that open a worker's breaker
     breaker_reset_s: float = 5.0      # an open breaker lets one probe through after this long (half-open)
+    # A worker that stops answering with its connection open (hung, SIGSTOPped, a half-dead host) is noticed by
+    # keepalive pings within keepalive_time_s + keepalive_timeout_s, even with no call in flight: its health then
+    # reads NOT_SERVING. Workers refuse pings more often than MIN_PING_INTERVAL_MS.
+    keepalive_time_s: float = KEEPALIVE_TIME_MS / 1000
+    keepalive_timeout_s: float = KEEPALIVE_TIMEOUT_MS / 1000
 
     def __post_init__(self) -> None:
         for name in ("verify_timeout_s", "propose_timeout_s", "retry_budget_s", "backoff_initial_s",
-                     "backoff_max_s", "breaker_reset_s"):
+                     "backoff_max_s", "breaker_reset_s", "keepalive_time_s", "keepalive_timeout_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a positive number of seconds, got {value}")
         if self.breaker_fail_max < 1:
             raise ValueError(f"breaker_fail_max must be >= 1, got {self.breaker_fail_max}")
+        if self.keepalive_time_s * 1000 < MIN_PING_INTERVAL_MS:
+            raise ValueError(f"keepalive_time_s must be >= {MIN_PING_INTERVAL_MS / 1000:g} (workers refuse more "
+                             f"frequent pings), got {self.keepalive_time_s}")
+
+    def channel_options(self) -> list[tuple[str, int]]:
+        """The channel options for reaching workers, with this config's keepalive timings."""
+        timeout_ms = round(self.keepalive_timeout_s * 1000)
+        keepalive = {"grpc.keepalive_time_ms": round(self.keepalive_time_s * 1000),
+                     "grpc.keepalive_timeout_ms": timeout_ms, "grpc.http2.ping_timeout_ms": timeout_ms}
+        return [(name, keepalive.get(name, value)) for name, value in CHANNEL_OPTIONS]
 
 
 def is_retryable(error: BaseException) -> bool:

@@ -22,10 +22,11 @@ class WorkerError(RuntimeError):
 class RemoteWorker:
     """A channel to one drafter or verifier with its stub and health stub."""
 
-    def __init__(self, address: str, role: str, security: ClientSecurity | None = None) -> None:
+    def __init__(self, address: str, role: str, security: ClientSecurity | None = None,
+                 options: list = CHANNEL_OPTIONS) -> None:
         self.address, self.role = address, role
         security = security if security is not None else ClientSecurity(token=load_token())
-        self.channel = security.channel(address, CHANNEL_OPTIONS)
+        self.channel = security.channel(address, options)
         self.stub = (pb_grpc.DrafterStub if role == "drafter" else pb_grpc.VerifierStub)(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
 

@@ -13,6 +13,7 @@ RESYNC_PREFIX = "resync:"
 # pings that often, so they never answer them with GOAWAY "too_many_pings".
 KEEPALIVE_TIME_MS = 20_000
 KEEPALIVE_TIMEOUT_MS = 10_000
+MIN_PING_INTERVAL_MS = 5_000  # servers answer pings more frequent than this with GOAWAY; clients may ping this often
 
 
 class NotReady(Exception):

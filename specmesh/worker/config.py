@@ -9,7 +9,8 @@ verifier/config.py).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import itertools
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,10 +80,20 @@ class ModelConfig:
 @dataclass(frozen=True)
 class FaultInjection:
     inject_latency_s: float = 0.0  # every Propose/Verify first waits this long: a slow worker (chaos tests)
+    # The latency starts after this many Propose/Verify calls: a worker that hangs mid-generation while its health
+    # still says SERVING (0: from the first call).
+    slow_after_calls: int = 0
+    _calls: Iterator[int] = field(default_factory=itertools.count, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.inject_latency_s >= 0:
             raise ValueError(f"inject_latency_s must be >= 0, got {self.inject_latency_s}")
+        if self.slow_after_calls < 0:
+            raise ValueError(f"slow_after_calls must be >= 0, got {self.slow_after_calls}")
+
+    def next_delay(self) -> float:
+        """Seconds the next Propose/Verify call waits before its work (counts the call)."""
+        return self.inject_latency_s if next(self._calls) >= self.slow_after_calls else 0.0
 
 
 def split_options(options: Mapping[str, Any], *configs: type) -> list[dict[str, Any]]:
@@ -91,7 +102,7 @@ def split_options(options: Mapping[str, Any], *configs: type) -> list[dict[str, 
     parts: list[dict[str, Any]] = [{} for _ in configs]
     for name, value in options.items():
         owner = next((i for i, config in enumerate(configs)
-                      if name in {f.name for f in dataclasses.fields(config)}), None)
+                      if name in {f.name for f in dataclasses.fields(config) if f.init}), None)
         if owner is None:
             raise TypeError(f"unexpected option {name!r}")
         parts[owner][name] = value

@@ -22,7 +22,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from specmesh.ops import logs
 from specmesh.ops import metrics
 from specmesh.v1 import specmesh_pb2 as pb
-from specmesh.wire.contract import KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS, RESYNC_PREFIX, Cancelled, NotReady
+from specmesh.wire.contract import (KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS, MIN_PING_INTERVAL_MS, RESYNC_PREFIX,
+                                    Cancelled, NotReady)
 from specmesh.wire.history import ResyncRequired
 from specmesh.wire.security import ConcurrencyLimitInterceptor, TokenAuthInterceptor, caller_identity
 from specmesh.wire.validation import check_session_id
@@ -36,7 +37,7 @@ SERVER_OPTIONS = [
     ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
     ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
     ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.min_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.so_reuseport", 0),  # an ephemeral port must never be shared with a stale server
 ]
@@ -117,7 +118,7 @@ class WorkerServicerBase:
 
     def before_work(self, context: grpc.ServicerContext) -> None:
         """Injected latency (tests), then give up early if the caller has already gone."""
-        delay = self.worker.faults.inject_latency_s
+        delay = self.worker.faults.next_delay()
         if delay:
             self.worker.stopping.wait(delay)
         if not context.is_active():

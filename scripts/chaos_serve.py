@@ -74,9 +74,9 @@ class FaultLog:
     events: list[tuple[float, str, str]] = field(default_factory=list)  # (monotonic s, kind, worker)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def add(self, kind: str, worker: str) -> None:
+    def add(self, kind: str, worker: str, at: float | None = None) -> None:
         with self.lock:
-            self.events.append((time.monotonic(), kind, worker))
+            self.events.append((time.monotonic() if at is None else at, kind, worker))
 
     def windows(self, role: str, margin_s: float) -> list[tuple[float, float]]:
         """When a worker of `role` was faulted: from each fault to its worker's next resume or restart, plus
@@ -279,6 +279,7 @@ class FaultLoop:
                 if not victims:
                     continue
                 victim = self.rng.choice(victims)
+                at = time.monotonic()  # before the signal: a request ending just after it counts as overlapping
                 if kind == "pause":
                     self.paused.add(victim.name)
                     victim.worker.process.send_signal(signal.SIGSTOP)
@@ -290,7 +291,7 @@ class FaultLoop:
                     deadline = time.monotonic() + self.args.load_timeout
                     if not victim.signal(signum, self.args.restart_delay, self.args.grace, deadline):
                         continue
-            self.faults.add(kind, victim.name)
+            self.faults.add(kind, victim.name, at)
             log(f"  fault: {kind} {victim.name}")
 
     def _resume(self, slot: Slot) -> None:
@@ -385,7 +386,7 @@ def soak(args, rng: random.Random, slots: list[Slot], server: Server, started: f
             """Once the fault loop has stopped: from the last fault until every worker runs again and the
             coordinator's /health lists every verifier as SERVING."""
             loop.stop()
-            last = faults.events[-1][0] if faults.events else time.monotonic()
+            last = max((at for at, kind, _ in faults.events if kind != "up"), default=time.monotonic())
             verifiers = sorted(s.address for s in slots if s.spec.role == "verifier")
             wait_until(lambda: all(s.up.is_set() for s in slots)
                        and sorted(server.health().get("verifiers_serving", [])) == verifiers,
@@ -450,7 +451,7 @@ def report(args, specs, free: list[Answer], references: dict, answers: list[Answ
     failed = [a for a in answers if a.error]
     kinds: dict[str, int] = {}
     for _, kind, _ in faults.events:
-        if kind != "resume":
+        if kind not in ("resume", "up"):
             kinds[kind] = kinds.get(kind, 0) + 1
     leaks = sampler.summary(since_s=warm_s)
     lived = {name: s for name, s in leaks.items() if s and s["pids"] == 1}
@@ -477,6 +478,8 @@ def report(args, specs, free: list[Answer], references: dict, answers: list[Answ
         "faults_by_kind": dict(sorted(kinds.items())),
         "restarts": sum(s.restarts for s in slots),
         "restart_failures": sum(s.restart_failures for s in slots),
+        "restart_to_serving_p50_s": percentile([t for s in slots for t in s.restart_s], 50),
+        "restart_to_serving_max_s": percentile([t for s in slots for t in s.restart_s], 100),
         "latency_fault_free": latency("fault-free"),
         "latency_with_faults": latency("faults"),
         "latency_after_recovery": latency("after-faults"),
@@ -499,7 +502,8 @@ def report(args, specs, free: list[Answer], references: dict, answers: list[Answ
           "without drafts sample the same distribution with other random numbers)")
     print(f"tokens lost                          {lost} ({no_usage} answers without usage)")
     print(f"faults                               {summary['faults']} {summary['faults_by_kind']}, "
-          f"{summary['restarts']} restarts ({summary['restart_failures']} failed)")
+          f"{summary['restarts']} restarts ({summary['restart_failures']} failed; signal to SERVING p50 "
+          f"{summary['restart_to_serving_p50_s']} s, max {summary['restart_to_serving_max_s']} s)")
     for phase in ("fault_free", "with_faults", "after_recovery"):
         s = summary[f"latency_{phase}"]
         print(f"latency {phase.replace('_', ' '):28s} p50 {s['p50_s']} s, p99 {s['p99_s']} s ({s['n']} requests)")

@@ -119,7 +119,7 @@ def main() -> int:
         http = httpx.Client(base_url=server.url, timeout=args.timeout)
         http_sent = [0]
 
-        @fuzz
+        @settings(fuzz, max_examples=args.http_examples)
         @given(request=HTTP_REQUEST)
         def fuzz_http(request) -> None:
             status, failed = http_call(http, *request)
@@ -135,8 +135,7 @@ def main() -> int:
                 crashes.append(f"coordinator serve died (status {server.process.returncode})")
                 raise SystemExit(_report(answers, crashes, hangs, started, False, rss, args.max_rss_growth))
 
-        fuzz_http_settings = settings(fuzz, max_examples=args.http_examples)
-        fuzz_http_settings(fuzz_http)()
+        fuzz_http()
         print(f"HTTP: {http_sent[0]} requests", file=sys.stderr)
         http.close()
 

@@ -19,10 +19,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
+from starlette.concurrency import run_in_threadpool
 
 from coordinator.admission import RETRY_AFTER_S, Admission, AdmissionConfig, Refused
 from coordinator.api import Coordinator, GenerationFailed, GenerationOptions, GenerationResult
@@ -34,6 +35,19 @@ log = logging.getLogger("specmesh.http")
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "error": "error"}
 
 
+def unicode_text(text: str | list[str]) -> str | list[str]:
+    """JSON escapes can spell lone surrogates (\\ud800), which no tokenizer encodes: refuse them as bad input."""
+    for piece in [text] if isinstance(text, str) else text:
+        try:
+            piece.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"not valid Unicode text: {e.reason} at position {e.start}") from None
+    return text
+
+
+INT32_MAX = 2**31 - 1  # top_k travels to the workers as an int32
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -43,7 +57,7 @@ class _Common(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0, le=100)
     top_p: float = Field(default=1.0, gt=0, le=1)
-    top_k: int = Field(default=0, ge=0)  # vLLM's extension
+    top_k: int = Field(default=0, ge=0, le=INT32_MAX)  # vLLM's extension
     seed: int | None = Field(default=None, ge=0, lt=2**64)
     stop: str | list[str] | None = None
     n: int = Field(default=1, ge=1, le=16)
@@ -54,10 +68,14 @@ class _Common(BaseModel):
 class CompletionRequest(_Common):
     prompt: str | list[str]
 
+    _unicode_prompt = field_validator("prompt")(unicode_text)
+
 
 class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str
+
+    _unicode_content = field_validator("content")(unicode_text)
 
 
 class ChatRequest(_Common):
@@ -83,6 +101,44 @@ async def invalid_request(request: Request, exc: RequestValidationError) -> JSON
     first = exc.errors()[0] if exc.errors() else {}
     param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
     return error(400, f"{param or 'request'}: {first.get('msg', 'invalid request')}", param=param)
+
+
+class BodyTooLarge(HTTPException):
+    """Raised while a route reads a body past the limit; FastAPI passes HTTPExceptions on to their handler."""
+
+    def __init__(self, max_bytes: int) -> None:
+        super().__init__(413, f"the request body exceeds {max_bytes} bytes")
+
+
+async def body_too_large(request: Request, exc: BodyTooLarge) -> JSONResponse:
+    return error(413, exc.detail, code="request_too_large")
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over `max_bytes` is answered 413 as soon as that many bytes arrived, declared
+    (Content-Length) or streamed (chunked); uvicorn itself reads bodies of any size into memory."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            response = await body_too_large(None, BodyTooLarge(self.max_bytes))
+            return await response(scope, receive, send)
+        received = 0
+
+        async def counted_receive():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:
+                raise BodyTooLarge(self.max_bytes)
+            return message
+
+        await self.app(scope, counted_receive, send)
 
 
 def event(payload: dict) -> str:
@@ -353,12 +409,14 @@ class CompletionsAPI:
 
 def create_app(coordinator: Coordinator, default_max_tokens: int = 256, draft_tokens: int | None = None,
                draft_policy: str = DEFAULT_POLICY, pipeline: bool = False,
-               admission: AdmissionConfig = AdmissionConfig()) -> FastAPI:
+               admission: AdmissionConfig = AdmissionConfig(), max_body_bytes: int = 1024 * 1024) -> FastAPI:
     """The app; `app.state.completions` is its CompletionsAPI (admission, cancel_all) for the server around it."""
     api = CompletionsAPI(coordinator, default_max_tokens, draft_tokens, draft_policy, pipeline, admission)
     app = FastAPI(title="specmesh", description="OpenAI-compatible API over distributed speculative decoding")
     app.state.completions = api
     app.add_exception_handler(RequestValidationError, invalid_request)
+    app.add_exception_handler(BodyTooLarge, body_too_large)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     app.add_api_route("/health", api.health, methods=["GET"])
     app.add_api_route("/v1/models", api.models, methods=["GET"])
     app.add_api_route("/v1/completions", api.completions, methods=["POST"])

@@ -15,6 +15,8 @@ n-th text callback, or a timer within the fault-free wall time). A killed worker
     .venv/bin/python scripts/chaos.py --generations 30 --seed 1
     .venv/bin/python scripts/chaos.py --target-model qwen2.5-coder-1.5b-instruct \
         --draft-model qwen2.5-coder-0.5b-instruct --dtype auto --device auto --generations 50
+
+With --serve it runs the HTTP service under load and faults instead (scripts/chaos_serve.py, `--serve --help`).
 """
 
 from __future__ import annotations
@@ -179,7 +181,14 @@ def model_reference(model_name: str, prompts_ids: list[list[int]], max_new: int,
 
 
 def main() -> int:
+    if "--serve" in sys.argv[1:]:
+        import chaos_serve  # the HTTP scenario, with its own flags (this script's directory is on sys.path)
+        return chaos_serve.main([a for a in sys.argv[1:] if a != "--serve"])
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--serve", action="store_true",
+                        help="run the HTTP scenario instead: `coordinator serve` in front of the workers, concurrent "
+                        "streaming clients, kills, pauses and restarts, leak sampling (scripts/chaos_serve.py; its "
+                        "flags: chaos.py --serve --help)")
     parser.add_argument("--generations", type=int, default=30)
     parser.add_argument("--seed", type=int, default=0, help="seeds the fault schedule (victims, signals, points)")
     parser.add_argument("--kill-probability", type=float, default=0.5,

@@ -1,8 +1,11 @@
-"""Longer fuzz run against real worker subprocesses: random and malformed Verify/Propose/EndSession requests and raw
-garbage on the socket. Prints requests tried, answers by status code, crashes and hangs (both must be 0), then checks
-that a valid generation is still exact. Exits non-zero on any crash, hang or wrong output.
+"""Longer fuzz run against real worker subprocesses and `coordinator serve` in front of them: random and malformed
+Verify/Propose/EndSession requests, raw garbage on the gRPC socket, and HTTP requests to the OpenAI API (malformed
+JSON, wrong types, huge values, invalid UTF-8, lone surrogates, unknown fields, oversized bodies, other routes and
+methods). Prints requests tried, answers by status code, crashes (a gRPC handler error, a 5xx, a dead process),
+hangs (all must be 0) and each server's resident memory after a warm-up and at the end, then checks that a valid
+generation is still exact. Exits non-zero on any crash, hang, wrong output or RSS growth over --max-rss-growth.
 
-    python scripts/fuzz.py --examples 2000
+    python scripts/fuzz.py --examples 2000 --http-examples 4000     # 10,200 requests
 """
 
 from __future__ import annotations
@@ -18,16 +21,20 @@ from collections import Counter
 from pathlib import Path
 
 import grpc
+import httpx
 from hypothesis import HealthCheck, given, settings
 
+from chaos_serve import Server  # this script's directory is on sys.path
 from coordinator import Coordinator, GenerationOptions
+from coordinator.benchmarks.soak import sample_process
 from coordinator.local_workers import LocalWorker, LocalWorkerSpec
 from coordinator.worker_client import RemoteWorker
 from specmesh.runtime.models import load_model
 
 # The request strategies are the test suite's (tests/ is not an installed package): reach them from the checkout.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tests.fuzz_strategies import END, PROPER, PROPOSE, VERIFY, call, send_garbage  # noqa: E402
+from tests.fuzz_strategies import (END, HTTP_REQUEST, PROPER, PROPOSE, VERIFY, call, http_call,  # noqa: E402
+                                   send_garbage)
 from tests.helpers import reference_greedy  # noqa: E402
 
 
@@ -35,8 +42,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--examples", type=int, default=1000, help="requests per kind (default: 1000)")
     parser.add_argument("--garbage", type=int, default=200, help="raw garbage connections (default: 200)")
-    parser.add_argument("--timeout", type=float, default=20.0, help="seconds before a call counts as a hang")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--http-examples", type=int, default=1000,
+                        help="HTTP requests to coordinator serve (default: 1000)")
+    parser.add_argument("--warmup", type=int, default=300,
+                        help="requests each server gets before its 'before' RSS is taken (default: 300)")
+    parser.add_argument("--max-rss-growth", type=float, default=5.0,
+                        help="percent RSS growth from after the warm-up to the end allowed per server (default: 5)")
+    parser.add_argument("--timeout", type=float, default=20.0,
+                        help="seconds before a call counts as a hang (default: 20)")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the raw garbage (default: 0)")
     args = parser.parse_args()
 
     answers: Counter = Counter()
@@ -46,14 +60,27 @@ def main() -> int:
     verifier = LocalWorker(LocalWorkerSpec("verifier", "tiny-random-qwen2", "cpu", "float64", threads=1), log_dir)
     drafter = LocalWorker(LocalWorkerSpec("drafter", "tiny-random-qwen2-b", "cpu", "float64", threads=1), log_dir)
     started = time.monotonic()
+    server = None
+    rss: dict[str, list[int]] = {}  # server name -> [after warm-up, at the end] resident bytes
     try:
         for worker in (verifier, drafter):
             worker.wait_serving()
+        server = Server(["--verifier", verifier.address, "--drafter", drafter.address, "--default-max-tokens", "6",
+                         "--log-level", "WARNING"], log_dir)
+        pids = {"verifier": verifier.process.pid, "drafter": drafter.process.pid, "coordinator": server.process.pid}
+
+        def take_rss(names: tuple[str, ...]) -> None:
+            for name in names:
+                sample = sample_process(pids[name])
+                if sample is not None:
+                    rss.setdefault(name, []).append(sample.rss_bytes)
         clients = {"verifier": RemoteWorker(verifier.address, "verifier"),
                    "drafter": RemoteWorker(drafter.address, "drafter")}
 
         def record(kind: str, code: grpc.StatusCode, request) -> None:
             answers[(kind, code.name)] += 1
+            if sum(n for (k, _), n in answers.items() if k != "HTTP") == args.warmup:
+                take_rss(("verifier", "drafter"))
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 hangs.append(f"{kind}: {request!r:.300}")
             elif code not in PROPER:
@@ -61,7 +88,7 @@ def main() -> int:
             for worker in (verifier, drafter):
                 if worker.process.poll() is not None:
                     crashes.append(f"{worker.spec.role} process died (status {worker.process.returncode})")
-                    raise SystemExit(_report(answers, crashes, hangs, started, ok_after=False))
+                    raise SystemExit(_report(answers, crashes, hangs, started, False, rss, args.max_rss_growth))
 
         fuzz = settings(max_examples=args.examples, deadline=None, database=None, derandomize=False,
                         suppress_health_check=list(HealthCheck))
@@ -89,6 +116,29 @@ def main() -> int:
         if not clients["verifier"].is_serving():
             crashes.append("verifier stopped serving after raw garbage")
 
+        http = httpx.Client(base_url=server.url, timeout=args.timeout)
+        http_sent = [0]
+
+        @settings(fuzz, max_examples=args.http_examples)
+        @given(request=HTTP_REQUEST)
+        def fuzz_http(request) -> None:
+            status, failed = http_call(http, *request)
+            answers[("HTTP", str(status))] += 1
+            http_sent[0] += 1
+            if http_sent[0] == args.warmup:
+                take_rss(("coordinator",))
+            if status == "hang":
+                hangs.append(f"HTTP: {request!r:.300}")
+            elif failed:
+                crashes.append(f"HTTP answered {status}: {request!r:.300}")
+            if server.process.poll() is not None:
+                crashes.append(f"coordinator serve died (status {server.process.returncode})")
+                raise SystemExit(_report(answers, crashes, hangs, started, False, rss, args.max_rss_growth))
+
+        fuzz_http()
+        print(f"HTTP: {http_sent[0]} requests", file=sys.stderr)
+        http.close()
+
         tiny = load_model("tiny-random-qwen2", device="cpu", dtype="float64")
         prompt = tiny.tokenizer("def main():")["input_ids"]
         expected = reference_greedy(tiny.model, prompt, 32, set(tiny.eos_token_ids))
@@ -96,23 +146,36 @@ def main() -> int:
             ok_after = c.generate(list(prompt), GenerationOptions(max_new_tokens=32)).token_ids == expected
         for client in clients.values():
             client.close()
+        take_rss(("verifier", "drafter", "coordinator"))
     finally:
+        if server is not None:
+            server.stop()
         verifier.stop()
         drafter.stop()
-    return _report(answers, crashes, hangs, started, ok_after)
+    return _report(answers, crashes, hangs, started, ok_after, rss, args.max_rss_growth)
 
 
-def _report(answers: Counter, crashes: list[str], hangs: list[str], started: float, ok_after: bool) -> int:
+def _report(answers: Counter, crashes: list[str], hangs: list[str], started: float, ok_after: bool,
+            rss: dict[str, list[int]], max_growth_pct: float) -> int:
     tried = sum(n for (kind, _), n in answers.items())
     print(f"\nrequests tried: {tried} in {time.monotonic() - started:.0f} s")
     for (kind, code), n in sorted(answers.items()):
         print(f"  {kind:12s} {code:20s} {n}")
     print(f"crashes: {len(crashes)}\nhangs: {len(hangs)}\nvalid generation exact afterwards: {ok_after}")
+    growth = {}
+    for name, samples in rss.items():
+        if len(samples) == 2:
+            growth[name] = round(100 * (samples[1] - samples[0]) / samples[0], 2)
+            print(f"RSS {name:12s} {samples[0] / 2**20:8.1f} MB after the warm-up, {samples[1] / 2**20:8.1f} MB at the "
+                  f"end ({growth[name]:+.2f}%)")
     for line in (crashes + hangs)[:20]:
         print("  " + line)
     print(json.dumps({"requests": tried, "answers": {f"{k}:{c}": n for (k, c), n in answers.items()},
-                      "crashes": len(crashes), "hangs": len(hangs), "exact_after": ok_after}))
-    return 0 if ok_after and not crashes and not hangs else 1
+                      "crashes": len(crashes), "hangs": len(hangs), "exact_after": ok_after,
+                      "rss_mb": {name: [round(b / 2**20, 1) for b in samples] for name, samples in rss.items()},
+                      "rss_growth_pct": growth}))
+    grew = any(g >= max_growth_pct for g in growth.values())
+    return 0 if ok_after and not crashes and not hangs and not grew else 1
 
 
 if __name__ == "__main__":

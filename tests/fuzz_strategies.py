@@ -3,6 +3,7 @@ scripts/fuzz.py)."""
 
 from __future__ import annotations
 
+import json
 import socket
 
 import grpc
@@ -58,3 +59,108 @@ def send_garbage(port: int, garbage: bytes, reply_timeout_s: float) -> None:
             raw.recv(1024)
         except (socket.timeout, ConnectionError):
             pass
+
+
+# The HTTP API (coordinator serve): a request is (method, path, body bytes, content type). Bodies start from a valid
+# completion or chat request that generates a few tokens at most, then are mutated: unknown fields, wrong types,
+# huge values, malformed JSON, invalid UTF-8, lone surrogates, oversized bodies.
+HTTP_MODEL = "tiny-random-qwen2"
+HTTP_BODY_LIMIT = 1024 * 1024  # coordinator.http_api's default max_body_bytes
+# Integers and floats that are either tiny or far out of range: a value that a field accepts never asks for a long
+# generation (max_tokens, n), so a fuzz request stays quick.
+WILD_INT = st.one_of(st.integers(min_value=-2**70, max_value=8), st.integers(min_value=2**21, max_value=2**80))
+WILD_FLOAT = st.floats(allow_subnormal=False).filter(lambda x: not 8 < x < 2**21)
+JSON_LEAF = st.one_of(st.none(), st.booleans(), WILD_INT, WILD_FLOAT, st.text(max_size=20))
+JSON_VALUE = st.recursive(JSON_LEAF, lambda inner: st.one_of(st.lists(inner, max_size=4),
+                                                             st.dictionaries(st.text(max_size=8), inner, max_size=4)),
+                          max_leaves=10)
+TEXT = st.text(max_size=40)
+SAMPLING_FIELDS = {"max_tokens": st.integers(min_value=1, max_value=6), "temperature": st.floats(0, 2, allow_subnormal=False),
+                   "top_p": st.floats(0.01, 1, allow_subnormal=False), "top_k": st.integers(0, 50), "seed": st.integers(0, 2**64 - 1),
+                   "stop": st.one_of(st.text(max_size=4), st.lists(st.text(max_size=4), max_size=3)),
+                   "n": st.integers(1, 2), "stream": st.booleans(),
+                   "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()})}
+COMPLETION_BODY = st.fixed_dictionaries({"model": st.just(HTTP_MODEL), "prompt": TEXT.filter(bool)},
+                                        optional=SAMPLING_FIELDS)
+MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant", "tool", "developer"]),
+                                 "content": TEXT})
+CHAT_BODY = st.fixed_dictionaries({"model": st.just(HTTP_MODEL), "messages": st.lists(MESSAGE, min_size=1, max_size=3)},
+                                  optional={**SAMPLING_FIELDS, "max_completion_tokens": st.integers(1, 6)})
+HUGE = st.one_of(st.integers(min_value=2**63, max_value=10**400), st.integers(min_value=-10**400, max_value=-2**63),
+                 st.sampled_from([1e308, -1e308, 2**64, 2**31, -2**63]),
+                 st.integers(min_value=10_000, max_value=200_000).map(lambda n: "x" * n),
+                 st.integers(min_value=1_000, max_value=20_000).map(lambda n: ["s"] * n))
+
+
+def dumps(body) -> bytes:
+    return json.dumps(body, allow_nan=True).encode()
+
+
+@st.composite
+def http_body(draw) -> tuple[str, bytes]:
+    """(path, body bytes) of a completion or chat request, valid or mutated one of several ways."""
+    chat = draw(st.booleans())
+    body = draw(CHAT_BODY if chat else COMPLETION_BODY)
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    how = draw(st.sampled_from(["valid", "unknown-fields", "wrong-type", "huge", "malformed-json", "invalid-utf8",
+                                "lone-surrogate", "deep-nesting", "not-an-object", "oversized", "garbage"]))
+    if how == "unknown-fields":
+        body.update(draw(st.dictionaries(st.text(min_size=1, max_size=12), JSON_VALUE, min_size=1, max_size=4)))
+    elif how in ("wrong-type", "huge"):
+        key = draw(st.sampled_from(sorted({*body, *SAMPLING_FIELDS, "messages", "prompt", "model"})))
+        body[key] = draw(JSON_VALUE if how == "wrong-type" else HUGE)
+    elif how == "malformed-json":
+        raw = dumps(body)
+        return path, raw[:draw(st.integers(0, max(0, len(raw) - 1)))] + draw(st.binary(max_size=8))
+    elif how == "invalid-utf8":
+        raw = dumps(body)
+        at = draw(st.integers(0, len(raw)))
+        bad = draw(st.sampled_from([b"\xff", b"\xc3\x28", b"\xed\xa0\x80", b"\xf8\x88\x80"]))
+        return path, raw[:at] + bad + raw[at:]
+    elif how == "lone-surrogate":
+        text = draw(st.sampled_from(["\\ud800", "\\udfff", "a\\ud83d", "\\udc00b"]))
+        field = '"messages": [{"role": "user", "content": "%s"}]' % text if chat else '"prompt": "%s"' % text
+        return path, ('{"model": "%s", %s, "max_tokens": 2}' % (HTTP_MODEL, field)).encode()
+    elif how == "deep-nesting":
+        depth = draw(st.integers(100, 100_000))
+        return path, b'{"model": "' + HTTP_MODEL.encode() + b'", "prompt": ' + b"[" * depth + b"]" * depth + b"}"
+    elif how == "not-an-object":
+        return path, dumps(draw(JSON_VALUE))
+    elif how == "oversized":
+        return path, b'{"model": "x", "prompt": "' + b"a" * (HTTP_BODY_LIMIT + draw(st.integers(0, 65536))) + b'"}'
+    elif how == "garbage":
+        return path, draw(st.binary(max_size=512))
+    return path, dumps(body)
+
+
+@st.composite
+def http_request(draw) -> tuple[str, str, bytes, str]:
+    """(method, path, body, content type): mostly POSTs of fuzzed bodies, sometimes other routes and methods."""
+    path, body = draw(http_body())
+    kind = draw(st.integers(0, 9))
+    if kind == 0:  # another route or a wrong method
+        method = draw(st.sampled_from(["GET", "PUT", "DELETE", "PATCH"]))
+        path = draw(st.sampled_from([path, "/v1/models", "/health", "/v1/nowhere", "/"]))
+        return method, path, body, "application/json"
+    content_type = "application/json" if kind > 1 else draw(st.sampled_from(
+        ["text/plain", "", "application/x-www-form-urlencoded", "application/json; charset=latin-1"]))
+    return "POST", path, body, content_type
+
+
+HTTP_REQUEST = http_request()
+
+
+def http_call(client, method: str, path: str, body: bytes, content_type: str) -> tuple[int | str, bool]:
+    """Send one request with an httpx client and read the whole answer (a stream to its end). (status, failed):
+    failed is True for a 5xx, an error event inside a 200 stream, or no answer ("hang" on a timeout, "closed" when
+    the connection broke)."""
+    import httpx
+    headers = {"content-type": content_type} if content_type else {}
+    try:
+        response = client.request(method, path, content=body, headers=headers)
+    except httpx.TimeoutException:
+        return "hang", True
+    except httpx.TransportError:
+        return "closed", True
+    broken_stream = response.status_code == 200 and b'"generation_failed"' in response.content
+    return response.status_code, response.status_code >= 500 or broken_stream

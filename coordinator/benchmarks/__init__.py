@@ -13,4 +13,6 @@
     analysis.py            speedups, divergence, per-class summaries, the analytic speedup bound
     reports.py             markdown tables and the PNG plot
     concurrency.py         the bench-concurrency command: aggregate tokens/s with batching off and on
+    soak.py                leak sampling for long runs (scripts/chaos.py --serve, scripts/fuzz.py): RSS, fds, threads,
+                           worker sessions, and the drain of sessions after the load stops
 """

@@ -43,3 +43,10 @@ def test_tool_scripts_start(name):
     run = script(name, "--help")
     assert run.returncode == 0, run.stderr
     assert run.stdout.startswith(f"usage: {name} ")
+
+
+def test_chaos_serve_has_its_own_flags():
+    run = script("chaos.py", "--serve", "--help")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("usage: chaos.py --serve ")
+    assert "--clients" in run.stdout and "--draft-model" in run.stdout

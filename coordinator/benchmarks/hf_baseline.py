@@ -53,6 +53,9 @@ def run_hf(args, modes: list[Mode], prompts: list[dict], prompt_ids: dict, eos_i
         input_ids = torch.tensor([ids], device=target.model.device)
         counters = [ForwardCounter(target.model)] + ([ForwardCounter(draft.model)] if mode.drafter == "model" else [])
         kwargs = {"assistant_model": draft.model} if mode.drafter == "model" else {}
+        if mode.drafter == "model" and draft.fingerprint != target.fingerprint:
+            # A draft model of another family: HF's universal assisted generation, which needs both tokenizers.
+            kwargs.update(tokenizer=tok, assistant_tokenizer=draft.tokenizer)
         try:
             started = time.perf_counter()
             with torch.inference_mode():

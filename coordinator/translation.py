@@ -119,8 +119,9 @@ class TokenTranslator:
         """The latest (target position, drafter position) past the starts, with the drafter position at most
         `drafter_end`, where both token sequences cut their common text at the same character; None if there is
         none. Positions inside a character, or whose texts differ (a tokenizer that does not round-trip), never
-        qualify."""
-        for j in range(drafter_end, drafter_start, -1):
+        qualify. Only the last 4 windows' positions are tried: a tokenizer that never aligns keeps a growing tail (each
+        round then re-tokenizes it) instead of searching the whole history every round."""
+        for j in range(drafter_end, max(drafter_start, drafter_end - 4 * self.window), -1):
             text, complete = self.drafter.text_between(drafter_ids, drafter_start, j)
             if not (complete and text):
                 continue

@@ -25,6 +25,7 @@ from coordinator.channel import new_session_id
 from coordinator.resilience import NoWorkerAvailable, ResilienceConfig
 from coordinator.remote_sessions import DegradingDraftSession, FailoverTargetSession, FaultStats
 from coordinator.text_stream import TextStream
+from coordinator.translation import TokenTranslator, TranslatingDraftSource
 from coordinator.worker_client import WorkerError
 from specmesh.runtime.tokenizer import load_tokenizer
 from specmesh.ops import logs
@@ -40,7 +41,8 @@ MAX_NEW_TOKENS = 1 << 20  # far beyond any model's context; the verifier's conte
 
 
 class TokenizerMismatch(WorkerError):
-    """Drafter and verifier tokenize differently: speculation would silently corrupt the output."""
+    """Drafter and verifier share a tokenizer but not a vocabulary width: the drafter could propose ids the verifier
+    has no logits for."""
 
 
 class GenerationFailed(RuntimeError):
@@ -120,11 +122,13 @@ class Coordinator:
     def __init__(self, verifier: str | Sequence[str], drafter: str | Sequence[str] | None = None, tokenizer=None,
                  resilience: ResilienceConfig = ResilienceConfig(), connect_timeout_s: float = 30.0,
                  security: ClientSecurity | None = None, record: str | None = None,
-                 unreachable_timeout_s: float | None = None) -> None:
+                 unreachable_timeout_s: float | None = None, drafter_tokenizer=None) -> None:
         """`security`: TLS files and bearer token for reaching the workers (default: plaintext, with the token from
         $SPECMESH_TOKEN_FILE / $SPECMESH_TOKEN when set). TLS settings that do not match a worker's fail at once
         (WorkerError naming the cause); workers that refuse connections fail after `unreachable_timeout_s` (None:
-        after `connect_timeout_s`, like workers that are still loading)."""
+        after `connect_timeout_s`, like workers that are still loading). `tokenizer` and `drafter_tokenizer` default
+        to the tokenizers of the models the workers name in Info; the drafter's is loaded only when it differs from
+        the target's (drafting across tokenizers, coordinator/translation.py)."""
         self.resilience = resilience
         self.recorder = Recorder(record) if record else None
         security = security if security is not None else ClientSecurity(token=load_token())
@@ -138,9 +142,13 @@ class Coordinator:
             self.verifier_info = self._info(self.verifiers, connect_timeout_s, unreachable_timeout_s)
             self.drafter_info = (self._info(self.drafters, connect_timeout_s, unreachable_timeout_s)
                                  if self.drafters else None)
-            if self.drafter_info is not None:
-                check_compatible(self.drafter_info, self.verifier_info)
+            shared = self.drafter_info is not None and shares_tokenizer(self.drafter_info, self.verifier_info)
             self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(self.verifier_info.model_name)
+            # A drafter with another tokenizer drafts through text (coordinator/translation.py).
+            self.translator = None
+            if self.drafter_info is not None and not shared:
+                self.translator = TokenTranslator(self.tokenizer, drafter_tokenizer if drafter_tokenizer is not None
+                                                  else load_tokenizer(self.drafter_info.model_name))
         except BaseException:
             self.close()
             raise
@@ -151,8 +159,11 @@ class Coordinator:
                                self.drafter_info.max_draft_tokens if self.drafter_info is not None else 1 << 30)
         self.context_limit = self.verifier_info.max_context_length
         # Which model runtime each side runs (transformers, llamacpp; "" for a model-free drafter), for the stats.
+        # and whether the drafter's token ids are the target's ("shared") or translated through text ("translated").
         self.engines = {"verifier_engine": self.verifier_info.engine,
-                        **({"drafter_engine": self.drafter_info.engine} if self.drafter_info is not None else {})}
+                        **({"drafter_engine": self.drafter_info.engine,
+                            "draft_tokenizer": "shared" if self.translator is None else "translated"}
+                           if self.drafter_info is not None else {})}
         metrics.register_state(f"coordinator:{id(self)}", self._state_metrics)
 
     def _state_metrics(self):
@@ -228,8 +239,7 @@ class Coordinator:
         faults = FaultStats()
         target = FailoverTargetSession(self.verifiers, session_id, prompt_ids, options.sampling, seed,
                                        self.resilience, faults, cancel)
-        drafter = (DegradingDraftSession(self.drafters, session_id, prompt_ids, options.sampling, seed,
-                                         self.resilience, faults, cancel) if use_drafter else None)
+        drafter = self._draft_source(session_id, prompt_ids, options, seed, faults, cancel) if use_drafter else None
         stream = TextStream(self.tokenizer, options.stop, on_text)
         loop = LoopResult()
         started = time.perf_counter()
@@ -258,6 +268,17 @@ class Coordinator:
         metrics.record_generation(result, time.perf_counter() - started)
         self._finished(session_id, prompt, prompt_ids, options, result)
         return result
+
+    def _draft_source(self, session_id: str, prompt_ids: list[int], options: GenerationOptions, seed: int,
+                      faults: FaultStats, cancel: CancelToken | None):
+        """The drafter session in target tokens: the remote session itself, or that session (in drafter tokens)
+        behind the translation through text."""
+        def open_session(prompt: list[int]) -> DegradingDraftSession:
+            return DegradingDraftSession(self.drafters, session_id, prompt, options.sampling, seed, self.resilience,
+                                         faults, cancel)
+        if self.translator is None:
+            return open_session(prompt_ids)
+        return TranslatingDraftSource(self.translator, prompt_ids, open_session)
 
     def check(self, prompt_tokens: int, options: GenerationOptions) -> None:
         """Raise ValueError if a request cannot run within the workers' limits (what generate would refuse)."""
@@ -304,14 +325,16 @@ def cost_prior(verifier_info, drafter_info) -> CostEstimate | None:
                         verifier_info.verify_per_draft_s)
 
 
-def check_compatible(drafter_info, verifier_info) -> None:
+def shares_tokenizer(drafter_info, verifier_info) -> bool:
+    """True when the drafter's token ids mean what the verifier's do (same tokenizer fingerprint): the fast path,
+    drafts go to the verifier as they are. False: they are translated through text (coordinator/translation.py)."""
     if drafter_info.tokenizer_fingerprint != verifier_info.tokenizer_fingerprint:
-        raise TokenizerMismatch(
-            f"drafter model {drafter_info.model_name!r} and verifier model {verifier_info.model_name!r} use different "
-            f"tokenizers (fingerprints {drafter_info.tokenizer_fingerprint[:12]} vs "
-            f"{verifier_info.tokenizer_fingerprint[:12]}): their token ids do not mean the same text, so speculation "
-            "would corrupt the output. Pick a draft model from the target's family.")
+        log.info("drafter model %r and verifier model %r use different tokenizers (fingerprints %s vs %s): drafts are "
+                 "translated through text", drafter_info.model_name, verifier_info.model_name,
+                 drafter_info.tokenizer_fingerprint[:12], verifier_info.tokenizer_fingerprint[:12])
+        return False
     if drafter_info.vocab_size > verifier_info.vocab_size:
         raise TokenizerMismatch(
             f"drafter model {drafter_info.model_name!r} has a larger vocabulary ({drafter_info.vocab_size}) than "
             f"verifier model {verifier_info.model_name!r} ({verifier_info.vocab_size})")
+    return True

@@ -124,7 +124,8 @@ def print_summary(result) -> None:
     print(f"\n[{result.finish_reason}] {s['new_tokens']} new tokens in {s['elapsed_s']:.2f} s "
           f"({s['tokens_per_s']:.2f} tokens/s); acceptance rate {rate}; "
           f"mean accepted length {s['mean_accepted_length']:.2f} tokens/round; {s['rounds']} rounds{faults}"
-          f"; engine {_engines(s)}",
+          f"; engine {_engines(s)}"
+          + (f"; draft tokenizer {s['draft_tokenizer']}" if s.get("draft_tokenizer") else ""),
           file=sys.stderr)
 
 

@@ -138,6 +138,25 @@ def test_concurrent_speculative_generations_stay_exact(workers):
     assert concurrently(workers, draft_tokens=None) == [target_only(workers, p)["token_ids"] for p in PROMPTS]
 
 
+CROSS_FAMILY_DRAFT = "smollm2-135m-instruct"  # SmolLM2's tokenizer, not Qwen's: drafts are translated through text
+
+
+def test_cross_tokenizer_drafter_equals_target_only_greedy(workers):
+    """SmolLM2-135M drafting for the Qwen 1.5B target through the CLI, which starts the drafter itself
+    (`--draft-model`; the module's verifier serves, so no second target is loaded): token-identical to
+    `--draft-tokens 0`."""
+    baseline = target_only(workers, PROMPTS[0])
+    run = subprocess.run([sys.executable, "-m", "coordinator", "generate", "--prompt", PROMPTS[0], "--json",
+                          "--verifier", workers["verifier"], "--draft-model", CROSS_FAMILY_DRAFT, "--dtype",
+                          "float32", "--device", "cpu", "--draft-policy", "heuristic",
+                          "--max-new-tokens", str(MAX_NEW)], capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr
+    speculative = json.loads(run.stdout)
+    assert speculative["token_ids"] == baseline["token_ids"]
+    assert speculative["stats"]["draft_tokenizer"] == "translated"
+    assert speculative["stats"]["accepted_tokens"] > 0  # the translated drafts are the target's tokens, often right
+
+
 # --- Chaos on the real pair: these kill the shared workers, so they stay the last tests of this module. ---
 
 CHAOS_PROMPT = PROMPTS[0]

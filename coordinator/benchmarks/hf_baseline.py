@@ -53,6 +53,10 @@ def run_hf(args, modes: list[Mode], prompts: list[dict], prompt_ids: dict, eos_i
         input_ids = torch.tensor([ids], device=target.model.device)
         counters = [ForwardCounter(target.model)] + ([ForwardCounter(draft.model)] if mode.drafter == "model" else [])
         kwargs = {"assistant_model": draft.model} if mode.drafter == "model" else {}
+        if mode.drafter == "model" and draft.fingerprint != target.fingerprint and _vocab(draft) != _vocab(target):
+            # A draft model of another family: HF's universal assisted generation, which needs both tokenizers (HF
+            # tells the two cases apart by the vocabulary width alone, and refuses the tokenizers when it is equal).
+            kwargs.update(tokenizer=tok, assistant_tokenizer=draft.tokenizer)
         try:
             started = time.perf_counter()
             with torch.inference_mode():
@@ -98,3 +102,7 @@ def run_hf(args, modes: list[Mode], prompts: list[dict], prompt_ids: dict, eos_i
                "hf_prompt_lookup_num_tokens": args.hf_prompt_lookup_tokens
                if any(m.drafter == "ngram" for m in hf_modes) else None}
     return hf_info, rows
+
+
+def _vocab(loaded) -> int:
+    return loaded.model.config.get_text_config().vocab_size

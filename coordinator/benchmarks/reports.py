@@ -101,6 +101,9 @@ def header_notes(report: dict) -> list[str]:
                 ran += f" ({info['draft_dtype']})"
         lines.append(f"- engines: {ran}" + (f" (asked: --target-engine {asked['target']}, --draft-engine "
                                             f"{asked['draft']})" if asked else "") + ".")
+        if info.get("draft_tokenizer") == "translated":
+            lines.append("- the draft model's tokenizer is not the target's: its drafts are translated through text "
+                         "(coordinator/translation.py).")
         if "llamacpp" in (info.get("verifier_engine"), info.get("drafter_engine")):
             lines.append("- llama.cpp's batched evaluation is not bit-identical to its one-token evaluation: the first "
                          "divergence column (against this run's target-only) is the exactness report.")

@@ -74,6 +74,8 @@ def run_specmesh(args, modes: list[Mode], prompts: list[dict], log) -> tuple[dic
                 "drafter_engine": (getattr(coordinators["model"].drafter_info, "engine", None) or None)
                 if need_model else None,
                 "draft_dtype": coordinators["model"].drafter_info.dtype if need_model else None,
+                # "shared" (the target's token ids) or "translated" (another tokenizer, drafts through text)
+                "draft_tokenizer": coordinators["model"].engines.get("draft_tokenizer") if need_model else None,
                 "ngram": {"min": args.ngram_min, "max": args.ngram_max} if need_ngram else None}
 
         prompt_ids = {p["id"]: base.encode_prompt(p["prompt"], chat=not args.no_chat) for p in prompts}

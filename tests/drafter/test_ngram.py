@@ -13,7 +13,6 @@ from hypothesis import strategies as st
 
 import specmesh.worker.config
 from coordinator import Coordinator, GenerationOptions
-from coordinator.api import TokenizerMismatch
 from coordinator.local_workers import LocalWorkerSpec, local_workers
 from coordinator.worker_client import RemoteWorker
 from drafter.cli import main as drafter_main
@@ -208,10 +207,16 @@ def test_ngram_drafter_info_and_empty_proposal(ngram_drafter, tiny_target):
     assert 'specmesh_kv_cache_bytes{role="drafter"} 0.0' in scraped
 
 
-def test_ngram_drafter_with_another_tokenizer_is_refused(verifier, tiny_target):
+def test_ngram_drafter_with_another_tokenizer_drafts_through_text(verifier, tiny_target):
+    """Prompt lookup over another tokenizer's ids: the drafts are translated through text (coordinator/translation.py),
+    and still give the target's own output."""
+    prompt = tiny_target.tokenizer(REPETITIVE)["input_ids"]
+    expected = reference_greedy(tiny_target.model, prompt, MAX_NEW, set(tiny_target.eos_token_ids))
     with run_drafter("tiny-random-llama", port=0, method="ngram") as other:
-        with pytest.raises(TokenizerMismatch):
-            Coordinator(verifier=verifier.address, drafter=other.address, tokenizer=tiny_target.tokenizer)
+        result = generate(verifier, other, tiny_target.tokenizer, prompt)
+    assert result.token_ids == expected
+    assert result.stats["draft_tokenizer"] == "translated"
+    assert result.stats["acceptance_rate"] > 0
 
 
 # ---- the CLI ----

@@ -77,3 +77,18 @@ def test_bench_refuses_a_threads_sweep_on_running_workers():
     done = run("bench", "--threads", "1,2", "--verifier", "127.0.0.1:1")
     assert done.returncode == 2 and "sweep" in done.stderr
     assert run("bench", "--threads", "0").returncode == 2
+
+
+def test_coordinator_bench_runs_a_cross_family_pair(tmp_path):
+    """A draft model with another tokenizer: specmesh translates its drafts through text, HF runs its universal
+    assisted generation (both tokenizers), and specmesh's output is still target-only's."""
+    done = run("bench", "--target-model", "tiny-random-qwen2", "--draft-model", "tiny-random-llama", "--dtype",
+               "float64", "--engine", "transformers", "--modes", "target-only,adaptive,hf-assisted", "--classes",
+               "code", "--limit-prompts", "1", "--max-new-tokens", "8", "--out-dir", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert report["info"]["draft_tokenizer"] == "translated"
+    rows = {row["mode"]: row for row in report["rows"]}
+    assert set(rows) == {"target-only", "adaptive", "hf-assisted"}
+    assert rows["adaptive"]["diverges_at"] is None and rows["adaptive"]["drafted_tokens"] > 0
+    assert "translated through text" in (tmp_path / "bench.md").read_text()

@@ -35,7 +35,7 @@ F64 = torch.float64
 # cross-checked against the regularised incomplete gamma function below.
 CHI2_CRIT_001 = {
     1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515, 6: 22.458, 7: 24.322,
-    8: 26.124, 9: 27.877, 10: 29.588, 35: 66.619,
+    8: 26.124, 9: 27.877, 10: 29.588, 35: 66.619, 41: 74.745,
 }
 
 
@@ -441,3 +441,83 @@ def test_wrong_procedures_are_detected(wrong, n):
     stat, df = chi_square(counts, warp_probs(P_LOGITS, T1))
     print(f"wrong procedure: chi2={stat:.2f} df={df} crit={CHI2_CRIT_001[df]} n={n}")
     assert stat > CHI2_CRIT_001[df], stat
+
+
+# --------------------------------------------------------------------------
+# Drafting across tokenizers (coordinator/translation.py): the drafter samples from q over ITS vocabulary, the token
+# is translated into the target's (many drafter tokens to one target token, some to tokens p finds unlikely), and the
+# verifier gets it as a deterministic proposal, q = 1 on the translated token. Emitted tokens must still be ~p.
+
+DRAFTER_VOCAB_LOGITS = torch.tensor([2.5, 2.0, 1.0, 0.5, 0.0, -0.5, 1.5, -1.0, 0.3, -2.0, 2.2, 0.8], dtype=F64)
+TO_TARGET = [6, 7, 6, 0, 1, 2, 3, 4, 5, 6, 7, 0]  # drafter token -> target token
+
+
+def _translated_target(prefix):
+    return P_LOGITS if not prefix else P_LOGITS.roll(prefix[-1])
+
+
+def _drafter_own_vocab(prefix):
+    return DRAFTER_VOCAB_LOGITS if not prefix else DRAFTER_VOCAB_LOGITS.roll(3 * prefix[-1])
+
+
+def translated_drafts(n_tokens, seed, k, start=7):
+    """A minimal loop over translated drafts, p and q depending on the previous token."""
+    out: list[int] = []
+    while len(out) < n_tokens:
+        pos = start + len(out)
+        drafts = []
+        for j in range(k):  # the drafter's own randomness, keyed by position like a real drafter's
+            d = draft_sample(_drafter_own_vocab(out + drafts), T1, seed, pos + j)
+            drafts.append(TO_TARGET[d.token])
+        dists = [SparseDist((x,), (1.0,)) for x in drafts]
+        rows = torch.stack([_translated_target(out + drafts[:i]) for i in range(k + 1)])
+        v = sampled_verdict(drafts, dists, rows, T1, seed, pos)
+        out += drafts[:v.accepted] + [v.next_token]
+    return out[:n_tokens]
+
+
+def _deterministic(x, drafter_draw):
+    return SparseDist((x,), (1.0,))
+
+
+def _drafters_own_q(x, drafter_draw):
+    # Wrong: the drafter's probability of its own token, as if it were q(x) (the rest of q on the next token).
+    qx = drafter_draw.dist.prob_of(drafter_draw.token)
+    return SparseDist((x, (x + 1) % P_LOGITS.numel()), (qx, 1.0 - qx))
+
+
+def translated_first_token_counts(n, dist_for):
+    rows = torch.stack([P_LOGITS, P_LOGITS])
+    counts = torch.zeros(P_LOGITS.numel(), dtype=F64)
+    for seed in range(n):
+        d = draft_sample(DRAFTER_VOCAB_LOGITS, T1, seed, 7)
+        x = TO_TARGET[d.token]
+        v = sampled_verdict([x], [dist_for(x, d)], rows, T1, seed, 7)
+        counts[x if v.accepted else v.next_token] += 1
+    return counts
+
+
+def test_translated_deterministic_proposals_emit_p():
+    assert_distributed_as(translated_first_token_counts(6_000, _deterministic), warp_probs(P_LOGITS, T1))
+
+
+def test_translated_drafts_with_the_drafters_own_q_are_detected():
+    # Power: keeping the drafter's q for a translated token biases the output (chi2 ~1300 here against 24.3).
+    stat, df = chi_square(translated_first_token_counts(6_000, _drafters_own_q), warp_probs(P_LOGITS, T1))
+    assert stat > CHI2_CRIT_001[df], stat
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_translated_deterministic_proposals_jointly_emit_p(k):
+    n = 4_000
+    p_first = warp_probs(P_LOGITS, T1)
+    joint = torch.stack([p_first[a] * warp_probs(_translated_target([a]), T1) for a in range(P_LOGITS.numel())])
+    counts = torch.zeros_like(joint)
+    for seed in range(n):
+        a, b = translated_drafts(2, seed, k=k)
+        counts[a, b] += 1
+    # 64 cells, some expecting < 1 count: the rare ones are pooled into one cell that expects >= 5.
+    rare = joint * n < 5
+    pooled_counts = torch.cat([counts[~rare], counts[rare].sum().reshape(1)])
+    pooled_p = torch.cat([joint[~rare], joint[rare].sum().reshape(1)])
+    assert_distributed_as(pooled_counts, pooled_p)

@@ -193,7 +193,7 @@ def run_split(args: argparse.Namespace, modes: list[Mode], classes: list[str], s
             if with_baselines:
                 baseline_rows = [r for r in sub["rows"] if r["kind"] != "specmesh"]
             runs.append({"one_way_delay_ms": delay, "rtt_ms": 2 * delay, "rows": rows,
-                         "measured_rtt_ms": sub["info"].get("rtt_ms")})
+                         "measured_rtt_ms": (sub["info"].get("rtt_ms") or {}).get("verifier")})
 
     for run in runs:
         rows = run["rows"] + [dict(r) for r in baseline_rows]

@@ -3,7 +3,8 @@
 pinned on is cut (its switch port goes down: packets vanish, no RST, no ICMP), which only the Verify deadline and
 keepalive can notice; the session must fail over to the other verifier and produce exactly the target's greedy output.
 
-Needs root (CAP_NET_ADMIN) and `ip`; skips with the reason otherwise. The coordinator side runs in its namespace as
+The namespaces come from coordinator/benchmarks/netns.py (shared with the split-host benchmark). Needs root
+(CAP_NET_ADMIN) and `ip`; skips with the reason otherwise. The coordinator side runs in its namespace as
 this module run as a script (`python -m tests.chaos.test_multihost '<json config>'`), talking over stdin/stdout:
 
     driver -> test   READY                 every endpoint SERVING

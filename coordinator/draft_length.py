@@ -17,8 +17,10 @@ the part of the drafting the pipelined bet hides. While the verifier checks roun
 k + 1 more (the bet); when every draft is accepted and the bet's first token is the target's own, round r+1 starts
 without drafting, so a round costs max(verify, bet) plus the ordinary draft only when the bet lost:
 T(k) = max(rtt_v + v(k), rtt_d + (k+1)*c) + (1 - a^k * h) * (rtt_d + k*c), h the bet's measured hit rate on its
-first token (the acceptance until measured). With a drafter on its own host the bet is free and long drafts pay
-more; on shared cores the bet slows the verify, which the workers' costs cannot see: pipelining is opt-in.
+first token (the acceptance until measured). A bet that outlasts the verify and rarely wins costs more than it saves
+(the next draft waits for it): the cost policy then tells the loop not to bet (`bet_pays`), and the round costs what
+an unpipelined one does. With a drafter on its own host the bet is free and long drafts pay more; on shared cores the
+bet slows the verify, which the workers' costs cannot see: pipelining is opt-in.
 
 Policies are pure functions of the round history, so they are unit-testable and keep no state of their own.
 """
@@ -81,17 +83,23 @@ class CostEstimate:
         """Tokens a round with k drafts commits on average: accepted prefix + the target's own token."""
         return expected_tokens_per_round(self.acceptance, k)
 
-    def round_s(self, k: int) -> float:
-        """Expected seconds of a round with k drafts (see the module's docstring for the pipelined case)."""
-        verify = self.verify_round_trip_s + self.verify_s_base + self.verify_s_per_token * k
-        if k == 0:
-            return verify
-        draft = self.draft_round_trip_s + k * self.draft_s_per_token
-        if not self.pipelined:
-            return draft + verify
+    def _verify_and_draft_s(self, k: int) -> tuple[float, float]:
+        return (self.verify_round_trip_s + self.verify_s_base + self.verify_s_per_token * k,
+                self.draft_round_trip_s + k * self.draft_s_per_token if k else 0.0)
+
+    def _betting_round_s(self, k: int) -> float:
+        verify, draft = self._verify_and_draft_s(k)
         bet = self.draft_round_trip_s + (k + 1) * self.draft_s_per_token
         hit = self.acceptance if self.bet_hit is None else self.bet_hit
         return max(verify, bet) + (1.0 - self.acceptance ** k * hit) * draft
+
+    def bet_pays(self, k: int) -> bool:
+        """Whether drafting the next round during this round's verify saves time on average (pipelined only)."""
+        return self.pipelined and k > 0 and self._betting_round_s(k) < sum(self._verify_and_draft_s(k))
+
+    def round_s(self, k: int) -> float:
+        """Expected seconds of a round with k drafts (see the module's docstring for the pipelined case)."""
+        return self._betting_round_s(k) if self.bet_pays(k) else sum(self._verify_and_draft_s(k))
 
     def tokens_per_s(self, k: int) -> float:
         return self.expected_tokens(k) / max(self.round_s(k), 1e-9)
@@ -160,6 +168,10 @@ class DraftPolicy(Protocol):
         degraded drafter shorten rounds)."""
         ...
 
+    def bet_pays(self, k: int, rounds: Sequence[RoundRecord]) -> bool:
+        """Pipelining: whether a round drafting k tokens should draft the next round during its verify."""
+        ...
+
 
 class FixedPolicy:
     """The same k every round (--draft-tokens K)."""
@@ -172,6 +184,9 @@ class FixedPolicy:
 
     def next_k(self, k: int, rounds: Sequence[RoundRecord]) -> int:
         return k
+
+    def bet_pays(self, k: int, rounds: Sequence[RoundRecord]) -> bool:
+        return True  # no costs known: the bet is always placed
 
 
 class HeuristicPolicy:
@@ -190,6 +205,9 @@ class HeuristicPolicy:
         if last.accepted == last.drafted:
             return min(self.length.maximum, k + 2)
         return max(self.length.minimum, k - 1)
+
+    def bet_pays(self, k: int, rounds: Sequence[RoundRecord]) -> bool:
+        return True  # no costs known: the bet is always placed
 
 
 class CostPolicy:
@@ -215,6 +233,11 @@ class CostPolicy:
         acceptance = measured_acceptance(rounds)
         prior = replace(self.length.prior, pipelined=self.length.pipelined, bet_hit=measured_bet_hit(rounds))
         return prior if acceptance is None else replace(prior, acceptance=acceptance)
+
+    def bet_pays(self, k: int, rounds: Sequence[RoundRecord]) -> bool:
+        """The cost model's answer with the workers' costs; without them (round timings only) always bet."""
+        estimate = self._from_prior(rounds)
+        return True if estimate is None else estimate.bet_pays(k)
 
     def next_k(self, k: int, rounds: Sequence[RoundRecord]) -> int:
         # The workers' measured costs when they reported them (with this generation's acceptance), else this
@@ -282,3 +305,7 @@ class DraftLength:
         time is not known yet: the previous round's stands in (only the prior-less cost policy reads it)."""
         verify_s = rounds[-1].verify_s if rounds else 0.0
         return self.next(k, [*rounds, RoundRecord(k, k, draft_s, verify_s)])
+
+    def bet_pays(self, k: int, rounds: Sequence[RoundRecord]) -> bool:
+        """Pipelining: whether a round drafting k tokens after `rounds` should bet (see DraftPolicy.bet_pays)."""
+        return self.rule.bet_pays(k, rounds)

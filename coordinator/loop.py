@@ -99,7 +99,9 @@ def speculative_decode(drafter: DraftSource | None, target: TargetSession, confi
                                                                    drafted_at - started)
                 bet_length = min(next_k + 1, config.draft_length.maximum + 1,
                                  config.max_propose_tokens or config.draft_length.maximum + 1)
-                if next_k > 0:  # a next round without drafts has no use for a bet
+                # A next round without drafts has no use for a bet; a bet that costs more than it saves (the policy
+                # knows the costs) is not placed.
+                if next_k > 0 and config.draft_length.bet_pays(len(draft.tokens), result.rounds):
                     ahead = ahead_pool.submit(drafter.propose, bet_length, draft.tokens)
             verdict = target.verify(draft)
             verified_at = time.perf_counter()

@@ -196,3 +196,15 @@ def test_round_trip_is_the_fastest_health_check():
     assert 0.01 <= round_trip_s(SimpleNamespace(endpoints=[endpoint]), probes=3) < 0.02
     down = SimpleNamespace(serving=False, client=SimpleNamespace(is_serving=lambda timeout_s: False))
     assert round_trip_s(SimpleNamespace(endpoints=[down]), probes=2) == 0.0
+
+
+def test_a_bet_that_costs_more_than_it_saves_is_not_placed():
+    # Rarely accepted, slow drafts: the 3-token bet (3 s) outlasts the verify (0.5 s) and almost always loses.
+    costly = CostEstimate(0.3, 1.0, 0.5, 0.0, pipelined=True)
+    assert not costly.bet_pays(2)
+    assert costly.round_s(2) == pytest.approx(2.5), "without a bet a round costs what an unpipelined one does"
+    prior = replace(costly, pipelined=False)
+    assert not DraftLength(policy="cost", prior=prior, pipelined=True).bet_pays(2, [])
+    assert DraftLength(policy="cost", prior=CostEstimate(0.9, 0.1, 1.0, 0.0), pipelined=True).bet_pays(2, [])
+    assert DraftLength(policy="heuristic", prior=prior, pipelined=True).bet_pays(2, []), "no costs: always bet"
+    assert not CostEstimate(0.9, 0.1, 1.0, 0.0).bet_pays(2), "not pipelined: no bet"

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -153,7 +154,11 @@ class Coordinator:
             self.close()
             raise
         self.eos_token_ids = frozenset(self.verifier_info.eos_token_ids)
-        self.cost_prior = cost_prior(self.verifier_info, self.drafter_info)
+        # Network time of one call to each side (the fastest of a few health checks): the cost policy adds it to
+        # every round, which is what speculation amortises on split hosts.
+        self.round_trip_s = {"verifier": round_trip_s(self.verifiers),
+                             **({"drafter": round_trip_s(self.drafters)} if self.drafters else {})}
+        self.cost_prior = cost_prior(self.verifier_info, self.drafter_info, self.round_trip_s)
         # Limits agreed with the workers: no request may exceed what either side accepts (Info).
         self.draft_limit = min(self.verifier_info.max_draft_tokens,
                                self.drafter_info.max_draft_tokens if self.drafter_info is not None else 1 << 30)
@@ -298,7 +303,7 @@ class Coordinator:
         # Pipelining asks the drafter for one token more than the round drafts (the bet's bonus-token guess).
         maximum = max(1, min(DraftLength.maximum, self.draft_limit - (1 if options.pipeline else 0)))
         return DraftLength(initial=min(DraftLength.initial, maximum), maximum=maximum, policy=options.draft_policy,
-                           prior=self.cost_prior)
+                           prior=self.cost_prior, pipelined=options.pipeline)
 
     def token_budget(self, prompt_tokens: int, max_new_tokens: int) -> int:
         """max_new_tokens, cut to what the verifier's context holds after the prompt (finish reason "length")."""
@@ -317,12 +322,29 @@ class Coordinator:
                                 result=result)
 
 
-def cost_prior(verifier_info, drafter_info) -> CostEstimate | None:
-    """The workers' warm-up cost measurements as the cost policy's starting point (None when not reported)."""
+def cost_prior(verifier_info, drafter_info, round_trips: dict[str, float] | None = None) -> CostEstimate | None:
+    """The workers' warm-up cost measurements, plus the measured round trip to each (`round_trips`, seconds by
+    role), as the cost policy's starting point (None when the workers report no costs). Round trips count in whole
+    milliseconds, rounded down: on loopback or a LAN they are noise (and would make k, and so a seeded sampled
+    generation, depend on timing); across hosts they are what every round pays."""
     if drafter_info is None or verifier_info.verify_base_s <= 0:
         return None
-    return CostEstimate(PRIOR_ACCEPTANCE, drafter_info.draft_per_token_s, verifier_info.verify_base_s,
-                        verifier_info.verify_per_draft_s)
+    whole_ms = {role: math.floor(s * 1000) / 1000 for role, s in (round_trips or {}).items()}
+    return CostEstimate(PRIOR_ACCEPTANCE, max(drafter_info.draft_per_token_s, 0.0), verifier_info.verify_base_s,
+                        max(verifier_info.verify_per_draft_s, 0.0), draft_round_trip_s=whole_ms.get("drafter", 0.0),
+                        verify_round_trip_s=whole_ms.get("verifier", 0.0))
+
+
+def round_trip_s(pool: WorkerPool, probes: int = 5) -> float:
+    """The fastest of a few health checks to the pool's first serving endpoint, seconds (0 when none answers): the
+    network and RPC time of a call that does no work."""
+    endpoint = next((e for e in pool.endpoints if e.serving), pool.endpoints[0])
+    best = math.inf
+    for _ in range(probes):
+        started = time.perf_counter()
+        if endpoint.client.is_serving(timeout_s=2.0):
+            best = min(best, time.perf_counter() - started)
+    return 0.0 if best == math.inf else best
 
 
 def shares_tokenizer(drafter_info, verifier_info) -> bool:

@@ -11,6 +11,17 @@ rounds so far. `POLICIES` names the adaptive ones a user may choose:
   back to k = 0 (plain target decoding), probing with a small draft now and then to notice when drafting pays again.
 A fixed k (`DraftLength.fixed`) is the third, non-adaptive policy.
 
+Two more costs enter the model when the workers report theirs (the prior): the network round trip of each RPC (a
+round with drafts makes a Propose and a Verify call, a round without drafts only the Verify), and, with pipelining,
+the part of the drafting the pipelined bet hides. While the verifier checks round r's k drafts, the drafter drafts
+k + 1 more (the bet); when every draft is accepted and the bet's first token is the target's own, round r+1 starts
+without drafting, so a round costs max(verify, bet) plus the ordinary draft only when the bet lost:
+T(k) = max(rtt_v + v(k), rtt_d + (k+1)*c) + (1 - a^k * h) * (rtt_d + k*c), h the bet's measured hit rate on its
+first token (the acceptance until measured). A bet that outlasts the verify and rarely wins costs more than it saves
+(the next draft waits for it): the cost policy then tells the loop not to bet (`bet_pays`), and the round costs what
+an unpipelined one does. With a drafter on its own host the bet is free and long drafts pay more; on shared cores the
+bet slows the verify, which the workers' costs cannot see: pipelining is opt-in.
+
 Policies are pure functions of the round history, so they are unit-testable and keep no state of their own.
 """
 
@@ -39,6 +50,7 @@ class RoundRecord:
     accepted: int
     draft_s: float
     verify_s: float
+    bet_won: bool | None = None  # pipelining: whether the next round's draft came from this round's bet; None: no bet
 
 
 def expected_tokens_per_round(acceptance: float, k: float) -> float:
@@ -55,14 +67,42 @@ class CostEstimate:
     draft_s_per_token: float
     verify_s_base: float  # v(k) = verify_s_base + verify_s_per_token * k
     verify_s_per_token: float
+    draft_round_trip_s: float = 0.0  # network and RPC time of one Propose call, apart from drafting
+    verify_round_trip_s: float = 0.0  # the same for one Verify call
+    pipelined: bool = False  # the next round is drafted during this round's verify (the bet)
+    bet_hit: float | None = None  # P(the bet's first token is the target's own | every draft accepted); None: a
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.acceptance <= 1.0 or (self.bet_hit is not None and not 0.0 <= self.bet_hit <= 1.0):
+            raise ValueError(f"acceptance and bet_hit must be probabilities: {self}")
+        if min(self.draft_s_per_token, self.verify_s_base, self.verify_s_per_token, self.draft_round_trip_s,
+               self.verify_round_trip_s) < 0:
+            raise ValueError(f"costs must be >= 0: {self}")
 
     def expected_tokens(self, k: int) -> float:
         """Tokens a round with k drafts commits on average: accepted prefix + the target's own token."""
         return expected_tokens_per_round(self.acceptance, k)
 
+    def _verify_and_draft_s(self, k: int) -> tuple[float, float]:
+        return (self.verify_round_trip_s + self.verify_s_base + self.verify_s_per_token * k,
+                self.draft_round_trip_s + k * self.draft_s_per_token if k else 0.0)
+
+    def _betting_round_s(self, k: int) -> float:
+        verify, draft = self._verify_and_draft_s(k)
+        bet = self.draft_round_trip_s + (k + 1) * self.draft_s_per_token
+        hit = self.acceptance if self.bet_hit is None else self.bet_hit
+        return max(verify, bet) + (1.0 - self.acceptance ** k * hit) * draft
+
+    def bet_pays(self, k: int) -> bool:
+        """Whether drafting the next round during this round's verify saves time on average (pipelined only)."""
+        return self.pipelined and k > 0 and self._betting_round_s(k) < sum(self._verify_and_draft_s(k))
+
+    def round_s(self, k: int) -> float:
+        """Expected seconds of a round with k drafts (see the module's docstring for the pipelined case)."""
+        return self._betting_round_s(k) if self.bet_pays(k) else sum(self._verify_and_draft_s(k))
+
     def tokens_per_s(self, k: int) -> float:
-        seconds = k * self.draft_s_per_token + self.verify_s_base + self.verify_s_per_token * k
-        return self.expected_tokens(k) / max(seconds, 1e-9)
+        return self.expected_tokens(k) / max(self.round_s(k), 1e-9)
 
     def best_k(self, maximum: int) -> int:
         return max(range(maximum + 1), key=self.tokens_per_s)
@@ -86,6 +126,13 @@ def measured_acceptance(rounds: Sequence[RoundRecord]) -> float | None:
     accepted = sum(r.accepted for r in drafted)
     stopped_early = sum(r.accepted < r.drafted for r in drafted)
     return accepted / (accepted + stopped_early) if accepted + stopped_early else None
+
+
+def measured_bet_hit(rounds: Sequence[RoundRecord]) -> float | None:
+    """How often a pipelined bet was usable when every draft of its round was accepted (its first token predicted the
+    target's own), over recent such rounds; None without any."""
+    bets = [r.bet_won for r in rounds[1:] if r.bet_won is not None and r.drafted and r.accepted == r.drafted][-WINDOW:]
+    return sum(bets) / len(bets) if bets else None
 
 
 def estimate_costs(rounds: Sequence[RoundRecord]) -> CostEstimate | None:
@@ -121,6 +168,10 @@ class DraftPolicy(Protocol):
         degraded drafter shorten rounds)."""
         ...
 
+    def bet_pays(self, k: int, rounds: Sequence[RoundRecord]) -> bool:
+        """Pipelining: whether a round drafting k tokens should draft the next round during its verify."""
+        ...
+
 
 class FixedPolicy:
     """The same k every round (--draft-tokens K)."""
@@ -133,6 +184,9 @@ class FixedPolicy:
 
     def next_k(self, k: int, rounds: Sequence[RoundRecord]) -> int:
         return k
+
+    def bet_pays(self, k: int, rounds: Sequence[RoundRecord]) -> bool:
+        return True  # no costs known: the bet is always placed
 
 
 class HeuristicPolicy:
@@ -152,6 +206,9 @@ class HeuristicPolicy:
             return min(self.length.maximum, k + 2)
         return max(self.length.minimum, k - 1)
 
+    def bet_pays(self, k: int, rounds: Sequence[RoundRecord]) -> bool:
+        return True  # no costs known: the bet is always placed
+
 
 class CostPolicy:
     """The k with the most expected tokens per second under the cost model; the heuristic until there is data."""
@@ -162,17 +219,25 @@ class CostPolicy:
 
     def first_k(self) -> int:
         """With the workers' cost prior, what the prior says pays (possibly 0); otherwise `initial`."""
-        if self.length.prior is None:
+        prior = self._from_prior(())
+        if prior is None:
             return self.length.initial
-        best = self.length.prior.best_k(self.length.maximum)
+        best = prior.best_k(self.length.maximum)
         return best if best >= self.length.minimum else 0
 
     def _from_prior(self, rounds: Sequence[RoundRecord]) -> CostEstimate | None:
-        """The workers' measured costs, with this generation's acceptance once it has drafted."""
+        """The workers' measured costs, with this generation's acceptance (and bet hit rate) once it has drafted.
+        Round timings already hold the round trips and the bet's hiding, so only the prior models them."""
         if self.length.prior is None:
             return None
         acceptance = measured_acceptance(rounds)
-        return self.length.prior if acceptance is None else replace(self.length.prior, acceptance=acceptance)
+        prior = replace(self.length.prior, pipelined=self.length.pipelined, bet_hit=measured_bet_hit(rounds))
+        return prior if acceptance is None else replace(prior, acceptance=acceptance)
+
+    def bet_pays(self, k: int, rounds: Sequence[RoundRecord]) -> bool:
+        """The cost model's answer with the workers' costs; without them (round timings only) always bet."""
+        estimate = self._from_prior(rounds)
+        return True if estimate is None else estimate.bet_pays(k)
 
     def next_k(self, k: int, rounds: Sequence[RoundRecord]) -> int:
         # The workers' measured costs when they reported them (with this generation's acceptance), else this
@@ -207,6 +272,7 @@ class DraftLength:
     policy: str = DEFAULT_POLICY
     # cost policy: the workers' own cost measurements (Info), used until this generation has measured enough rounds
     prior: CostEstimate | None = None
+    pipelined: bool = False  # the loop drafts ahead during each verify: the cost policy models the bet
 
     def __post_init__(self) -> None:
         if self.initial < 0 or self.minimum < 1 or self.maximum < self.minimum:
@@ -232,3 +298,14 @@ class DraftLength:
     def next(self, k: int, rounds: Sequence[RoundRecord]) -> int:
         """The draft length after `rounds` (see DraftPolicy.next_k)."""
         return self.rule.next_k(k, rounds)
+
+    def after_full_acceptance(self, k: int, rounds: Sequence[RoundRecord], draft_s: float) -> int:
+        """The draft length the next round would get if this round's k drafts (drafted in draft_s) were all
+        accepted: what a pipelined bet drafts ahead, besides its guess of the target's own token. The round's verify
+        time is not known yet: the previous round's stands in (only the prior-less cost policy reads it)."""
+        verify_s = rounds[-1].verify_s if rounds else 0.0
+        return self.next(k, [*rounds, RoundRecord(k, k, draft_s, verify_s)])
+
+    def bet_pays(self, k: int, rounds: Sequence[RoundRecord]) -> bool:
+        """Pipelining: whether a round drafting k tokens after `rounds` should bet (see DraftPolicy.bet_pays)."""
+        return self.rule.bet_pays(k, rounds)

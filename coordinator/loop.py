@@ -91,12 +91,18 @@ def speculative_decode(drafter: DraftSource | None, target: TargetSession, confi
                 draft = drafter.propose(k_round) if (drafter is not None and k_round > 0) else Draft()
             ready = None
             drafted_at = time.perf_counter()
-            # Pipelining: bet that every draft is accepted and draft the round after it meanwhile (1 more token: the
-            # bet's first token predicts the target's bonus token). +2: the heuristic's next k after a full acceptance.
-            bet_length = min(len(draft.tokens) + 3, config.draft_length.maximum + 1,
-                             config.max_propose_tokens or config.draft_length.maximum + 1)
-            ahead = (ahead_pool.submit(drafter.propose, bet_length, draft.tokens)
-                     if ahead_pool is not None and draft.tokens and remaining > len(draft.tokens) + 2 else None)
+            # Pipelining: bet that every draft is accepted and draft the round after it meanwhile: the k the policy
+            # would choose after a full acceptance, plus 1 token first (the bet's guess of the target's own token).
+            ahead = None
+            if ahead_pool is not None and draft.tokens and remaining > len(draft.tokens) + 2:
+                next_k = config.draft_length.after_full_acceptance(len(draft.tokens), result.rounds,
+                                                                   drafted_at - started)
+                bet_length = min(next_k + 1, config.draft_length.maximum + 1,
+                                 config.max_propose_tokens or config.draft_length.maximum + 1)
+                # A next round without drafts has no use for a bet; a bet that costs more than it saves (the policy
+                # knows the costs) is not placed.
+                if next_k > 0 and config.draft_length.bet_pays(len(draft.tokens), result.rounds):
+                    ahead = ahead_pool.submit(drafter.propose, bet_length, draft.tokens)
             verdict = target.verify(draft)
             verified_at = time.perf_counter()
             if ahead is not None:
@@ -109,7 +115,8 @@ def speculative_decode(drafter: DraftSource | None, target: TargetSession, confi
             new_tokens = [*draft.tokens[:verdict.accepted], verdict.next_token]
             result.rounds.append(RoundRecord(len(draft.tokens), verdict.accepted,
                                              (drafted_at - started) + (waited_at - verified_at),
-                                             verified_at - drafted_at))
+                                             verified_at - drafted_at,
+                                             bet_won=None if ahead is None else ready is not None))
             if drafter is not None:
                 drafter.update(new_tokens)
 

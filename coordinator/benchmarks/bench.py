@@ -26,7 +26,12 @@ rate, k = mean draft length, c = draft cost per drafted token and v(k) = verify 
 target-only round (steady state: the first round of each generation, which holds the prefill, is left out).
 
     coordinator bench --classes code,quote --limit-prompts 2 --max-new-tokens 64 --out-dir bench-out
+    coordinator bench --topology split --delays-ms 0,1,5,20 --limit-prompts code=2 --out-dir split-out
     python scripts/bench.py --modes target-only,adaptive,4,ngram --limit-prompts code=2,prose=1,quote=1
+
+`--topology split` runs drafter, verifier and coordinator on three "hosts" (network namespaces, each worker pinned to
+a core of its own, one-way link delays swept over --delays-ms; coordinator/benchmarks/split.py) and reports tokens/s,
+speedups, acceptance and round time against the round trip; it needs root and iproute2 (exit status 3 otherwise).
 
 Writes JSON, a markdown report and a PNG plot of the speedup per prompt (needs matplotlib) when asked.
 """
@@ -36,6 +41,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -47,8 +53,11 @@ from coordinator.benchmarks.llamacpp_baseline import run_llamacpp
 from coordinator.benchmarks.machine import cpu_features, llamacpp_system_info
 from coordinator.benchmarks.modes import DEFAULT_MODES, drop_unrunnable, parse_modes
 from coordinator.benchmarks.prompts import DEFAULT_PROMPTS, load_prompts
-from coordinator.benchmarks.reports import markdown, plot, sweep_markdown
+from coordinator.benchmarks.netns import MeshUnavailable
+from coordinator.benchmarks.reports import markdown, plot, split_markdown, split_plot, sweep_markdown
 from coordinator.benchmarks.specmesh_runs import run_specmesh
+from coordinator.benchmarks.split import DEFAULT_SPLIT_MODES, UNAVAILABLE, SplitUnavailable, run_split
+from coordinator.benchmarks import split
 from specmesh.ops.flags import DefaultsRawDescriptionHelpFormatter
 from specmesh.runtime import onednn
 from specmesh.runtime.catalog import DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL
@@ -90,10 +99,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--linear-backend", choices=onednn.BACKENDS, default="auto",
                         help="CPU linear kernels, workers and HF alike (specmesh/runtime/onednn.py; default: auto)")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per prompt at most")
-    parser.add_argument("--modes", default=DEFAULT_MODES,
-                        help="comma list of target-only (or 0), adaptive, adaptive-cost, pipelined, K (fixed draft "
-                        "length), ngram, ngram-cost, ngram:K, hf-target, hf-assisted, hf-ngram, llama-target, "
-                        "llama-lookup (these two: GGUF targets only, skipped otherwise); target-only is always run")
+    parser.add_argument("--topology", choices=("local", "split"), default="local",
+                        help="local: every worker a subprocess on this host's loopback; split: drafter, verifier and "
+                        "coordinator in network namespaces, each worker on a core of its own, links delayed "
+                        "(see the split topology flags)")
+    parser.add_argument("--modes", default=None,
+                        help="comma list of target-only (or 0), adaptive, adaptive-cost, pipelined, pipelined-cost, K "
+                        "(fixed draft length), ngram, ngram-cost, ngram:K, hf-target, hf-assisted, hf-ngram, "
+                        "llama-target, llama-lookup (these two: GGUF targets only, skipped otherwise); target-only is "
+                        f"always run (default: {DEFAULT_MODES}; with --topology split: {DEFAULT_SPLIT_MODES})")
     parser.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS, help="prompt set (JSON)")
     parser.add_argument("--classes", default="code,prose,quote", help="prompt classes to run")
     parser.add_argument("--limit-prompts", default=None,
@@ -110,16 +124,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--llama-flash-attn", choices=("on", "off"), default="on",
                         help="llama-target/llama-lookup: flash attention (default: on, as llama.cpp's auto and the "
                         "specmesh llama.cpp engine run on CPU; llama-cpp-python's Llama defaults to off)")
+    parser.add_argument("--baseline-cpus", default=None,
+                        help="pin the in-process HF and llama.cpp baselines to these CPUs, e.g. 1 or 0,1 (default: "
+                        "no pinning; the split topology pins them to the verifier's core)")
     parser.add_argument("--from-json", type=Path, default=None,
                         help="run nothing: re-render the reports (markdown, plot) of an earlier run's JSON")
     parser.add_argument("--out-dir", type=Path, default=None, help="write bench.json, bench.md and bench.png here")
     parser.add_argument("--json", dest="json_path", type=Path, default=None, help="write the JSON report here")
     parser.add_argument("--markdown", type=Path, default=None, help="write the markdown report here")
     parser.add_argument("--plot", type=Path, default=None, help="write the PNG plot here")
+    split.add_arguments(parser)
 
 
 def rerender(args: argparse.Namespace) -> int:
     report = json.loads(args.from_json.read_text())
+    if report.get("topology") == "split":
+        write_reports(args, report)
+        return 0
     for run_report in report.get("sweep", [report]):
         modes = parse_modes(",".join(run_report["config"]["modes"]))
         add_relative(run_report["rows"])
@@ -129,6 +150,16 @@ def rerender(args: argparse.Namespace) -> int:
 
 
 def write_reports(args: argparse.Namespace, report: dict) -> None:
+    if report.get("topology") == "split":
+        text = split_markdown(report)
+        print("\n" + text)
+        if args.json_path:
+            args.json_path.write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n")
+        if args.markdown:
+            args.markdown.write_text(text)
+        if args.plot and split_plot(report, args.plot):
+            print(f"plot: {args.plot}", file=sys.stderr)
+        return
     text = sweep_markdown(report) if "sweep" in report else markdown(report)
     print("\n" + text)
     if args.json_path:
@@ -152,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
     if args.from_json:
         return rerender(args)
     try:
-        modes = parse_modes(args.modes)
+        modes = parse_modes(args.modes or (DEFAULT_SPLIT_MODES if args.topology == "split" else DEFAULT_MODES))
         classes = [c.strip() for c in args.classes.split(",") if c.strip()]
         prompts = load_prompts(args.prompts, classes, args.limit_prompts,
                                [i.strip() for i in args.prompt_ids.split(",")] if args.prompt_ids else None)
@@ -162,12 +193,33 @@ def run(args: argparse.Namespace) -> int:
         if args.threads and len(args.threads) > 1 and (args.verifier or args.drafter or args.ngram_drafter):
             raise ValueError("a --threads sweep starts its own workers at each count: drop --verifier/--drafter/"
                              "--ngram-drafter")
+        baseline_cpus(args)
+        if args.topology == "split":
+            if args.verifier or args.drafter or args.ngram_drafter:
+                raise ValueError("--topology split starts its own workers: drop --verifier/--drafter/--ngram-drafter")
+            if args.threads and len(args.threads) > 1:
+                raise ValueError("--topology split takes one --threads count (default 1)")
+            split.check_cpus(args)
     except (ValueError, OSError) as e:
         print(f"bench: error: {e}", file=sys.stderr)
         return 2
     modes, skipped = drop_unrunnable(modes, args.target_model)
+    if args.topology == "split":
+        no_host = {m.name: "the split topology has no n-gram drafter host" for m in modes if m.drafter == "ngram"
+                   and m.kind == "specmesh"}
+        no_host.update({m.name: "the split topology runs only target-only baselines" for m in modes
+                        if m.kind != "specmesh" and m.drafter is not None})
+        modes, skipped = [m for m in modes if m.name not in no_host], {**skipped, **no_host}
     if skipped:
         print(f"bench: note: skipping {', '.join(skipped)}: {next(iter(skipped.values()))}", file=sys.stderr)
+    if args.topology == "split":
+        try:
+            report = run_split(args, modes, classes, skipped)
+        except (SplitUnavailable, MeshUnavailable) as e:
+            print(f"bench: error: the split topology cannot run here: {e}", file=sys.stderr)
+            return UNAVAILABLE
+        write_reports(args, report)
+        return 0
 
     counts = args.threads or [None]
     runs = [measure(argparse.Namespace(**{**vars(args), "threads": n}), modes, prompts, classes, skipped,
@@ -189,6 +241,8 @@ def measure(args: argparse.Namespace, modes, prompts: list[dict], classes: list[
     started = time.time()
     info, rows, prompt_ids = run_specmesh(args, modes, prompts, log)
     # HF stops at the same end-of-sequence ids as the coordinator: the verifier's.
+    if args.baseline_cpus:  # the specmesh phase is over: from here on this process runs the baselines only
+        os.sched_setaffinity(0, baseline_cpus(args))
     hf_info, hf_rows = run_hf(args, modes, prompts, prompt_ids, info["eos_token_ids"], log)
     rows += hf_rows
     gc.collect()  # the HF models: gone before llama.cpp loads
@@ -214,6 +268,20 @@ def measure(args: argparse.Namespace, modes, prompts: list[dict], classes: list[
         "rows": rows,
     }
     return report
+
+
+def baseline_cpus(args: argparse.Namespace) -> set[int] | None:
+    """--baseline-cpus as a CPU set (None: not given); ValueError when malformed or not usable here."""
+    if not args.baseline_cpus:
+        return None
+    try:
+        cpus = {int(part) for part in args.baseline_cpus.split(",") if part.strip()}
+    except ValueError:
+        raise ValueError(f"--baseline-cpus expects CPU numbers like 1 or 0,1, got {args.baseline_cpus!r}") from None
+    if not cpus or not cpus <= os.sched_getaffinity(0):
+        raise ValueError(f"--baseline-cpus {args.baseline_cpus} is not a set of CPUs this process may use "
+                         f"({sorted(os.sched_getaffinity(0))})")
+    return cpus
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:

@@ -33,6 +33,8 @@ def parse_mode(text: str) -> Mode:
         return Mode("adaptive", "specmesh", "model", None)
     if t in ("pipelined", "adaptive-pipelined"):
         return Mode("pipelined", "specmesh", "model", None, "heuristic", True)
+    if t in ("pipelined-cost", "cost-pipelined"):
+        return Mode("pipelined-cost", "specmesh", "model", None, "cost", True)
     if t in ("adaptive-cost", "cost"):
         return Mode("adaptive-cost", "specmesh", "model", None, "cost")
     if t == "ngram-cost":
@@ -56,7 +58,8 @@ def parse_mode(text: str) -> Mode:
         return Mode(LLAMA_BASELINE, "llamacpp")
     if t in ("llama-lookup", "llama-prompt-lookup", "llamacpp-lookup"):
         return Mode("llama-lookup", "llamacpp", "ngram")
-    raise ValueError(f"unknown mode {text!r}: expected target-only|0, adaptive, adaptive-cost, pipelined, K, ngram, "
+    raise ValueError(f"unknown mode {text!r}: expected target-only|0, adaptive, adaptive-cost, pipelined, "
+                     "pipelined-cost, K, ngram, "
                      "ngram-cost, ngram:K, hf-target, hf-assisted, hf-ngram, llama-target or llama-lookup")
 
 

@@ -164,3 +164,96 @@ def plot(report: dict, path: Path) -> bool:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True
+
+
+def split_markdown(report: dict) -> str:
+    """The split-host sweep: per round trip and mode (all prompts), tokens/s, speedups over target-only at the same
+    round trip and over the in-process baselines on the verifier's core, acceptance and time per round."""
+    info, config = report["info"], report["config"]
+    method = {"netem": "tc netem on every host's egress",
+              "relay": "a user-space relay holding every byte for the delay (no netem in this kernel)"}
+    lines = [f"**{info.get('draft') or '(no draft model)'} → {info['target']}**, {info['dtype']} on {info['device']}, "
+             f"greedy, ≤ {config['max_new_tokens']} new tokens, {len(report['prompts'])} prompts "
+             f"({', '.join(f'{n} {c}' for c, n in report['prompt_counts'].items())}), best of {config['repeats']}.",
+             "",
+             f"- split hosts: drafter, verifier and coordinator each in its own network namespace; drafter pinned to "
+             f"CPU {config['drafter_cpu']}, verifier to CPU {config['verifier_cpu']}, {config['threads']} thread(s) "
+             f"each; link delay by {method.get(config['link_delay'], config['link_delay'])}.",
+             f"- baselines (HF / llama.cpp target-only) in-process on the verifier's CPU {config['verifier_cpu']} with "
+             f"{config['threads']} thread(s), no network.",
+             *header_notes(report)]
+    has_llama = any(r["mode"] == LLAMA_BASELINE for r in report.get("baseline_rows", []))
+    lines += ["| one-way delay ms | RTT ms | measured RTT ms | mode | tokens/s | vs target-only (same RTT) | "
+              "vs HF target-only | " + ("vs llama.cpp target-only | " if has_llama else "")
+              + "acceptance | tokens/round | ms/round | draft ms/round | verify ms/round |",
+              "| ---: | ---: | ---: | --- | ---: | ---: | ---: |" + (" ---: |" if has_llama else "")
+              + " ---: | ---: | ---: | ---: | ---: |"]
+    first = True
+    for run in report["runs"]:
+        for s in run["summary"]:
+            if s["class"] != "all" or (s["kind"] != "specmesh" and not first):
+                continue
+            network = s["kind"] == "specmesh"
+            ms_round = (s["draft_ms_per_round"] + s["verify_ms_per_round"] + s["rest_ms_per_round"]) if network \
+                else None
+            lines.append(
+                f"| {_f(run['one_way_delay_ms'], 'g') if network else '–'} | "
+                f"{_f(run['rtt_ms'], 'g') if network else '–'} | "
+                f"{_f(run.get('measured_rtt_ms'), '.1f') if network else '–'} | {s['mode']} | "
+                f"{_f(s['tokens_per_s'], '.2f')} | {_x(s['speedup']) if network else '–'} | "
+                f"{_x(s['speedup_vs_hf_target'])} | "
+                + (f"{_x(s.get('speedup_vs_llama_target'))} | " if has_llama else "")
+                + f"{_f(s['acceptance_rate'], '.1%')} | {_f(s['mean_accepted_length'], '.2f')} | "
+                f"{_f(ms_round, '.1f')} | {_f(s.get('draft_ms_per_round'), '.1f')} | "
+                f"{_f(s.get('verify_ms_per_round'), '.1f')} |")
+        first = False
+    classes = [c for c in report["prompt_counts"]]
+    if len(classes) > 1:
+        specmesh = {s["mode"] for s in report["runs"][0]["summary"] if s["kind"] == "specmesh"}
+        modes = [m for m in config["modes"] if m != BASELINE and m in specmesh]
+        lines += ["", "Speedup over target-only at the same round trip, by class:", "",
+                  "| RTT ms | class | " + " | ".join(modes) + " |", "| ---: | --- |" + " ---: |" * len(modes)]
+        for run in report["runs"]:
+            by = {(s["class"], s["mode"]): s for s in run["summary"]}
+            for c in classes:
+                cells = [_x((by.get((c, m)) or {}).get("speedup")) for m in modes]
+                lines.append(f"| {_f(run['rtt_ms'], 'g')} | {c} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def split_plot(report: dict, path: Path) -> bool:
+    """Tokens/s and time per round against the round trip, one line per specmesh mode; the in-process baselines as
+    horizontal lines."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("bench: matplotlib is not installed: no plot (pip install matplotlib)", file=sys.stderr)
+        return False
+    runs = report["runs"]
+    rtts = [run["rtt_ms"] for run in runs]
+    fig, (tps, per_round) = plt.subplots(1, 2, figsize=(11, 4.5))
+    modes = [s["mode"] for s in runs[0]["summary"] if s["class"] == "all" and s["kind"] == "specmesh"]
+    for mode in modes:
+        cells = [next((s for s in run["summary"] if s["class"] == "all" and s["mode"] == mode), {}) for run in runs]
+        tps.plot(rtts, [c.get("tokens_per_s") or 0.0 for c in cells], marker="o", label=mode)
+        per_round.plot(rtts, [(c.get("draft_ms_per_round") or 0.0) + (c.get("verify_ms_per_round") or 0.0)
+                              + (c.get("rest_ms_per_round") or 0.0) for c in cells], marker="o", label=mode)
+    for s in runs[0]["summary"]:
+        if s["class"] == "all" and s["kind"] != "specmesh" and s["tokens_per_s"]:
+            tps.axhline(s["tokens_per_s"], linestyle="--", linewidth=1, color="gray")
+            tps.annotate(f"{s['mode']} (verifier's core)", (rtts[0], s["tokens_per_s"]), fontsize=7,
+                         textcoords="offset points", xytext=(2, 3))
+    tps.set_xlabel("round trip, ms")
+    tps.set_ylabel("tokens/s (all prompts)")
+    per_round.set_xlabel("round trip, ms")
+    per_round.set_ylabel("ms per round")
+    info = report["info"]
+    fig.suptitle(f"split hosts: {info.get('draft') or ''} → {info['target']} ({info['dtype']}), "
+                 f"link delay by {report['config']['link_delay']}", fontsize=9)
+    tps.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True

@@ -76,7 +76,10 @@ def run_specmesh(args, modes: list[Mode], prompts: list[dict], log) -> tuple[dic
                 "draft_dtype": coordinators["model"].drafter_info.dtype if need_model else None,
                 # "shared" (the target's token ids) or "translated" (another tokenizer, drafts through text)
                 "draft_tokenizer": coordinators["model"].engines.get("draft_tokenizer") if need_model else None,
-                "ngram": {"min": args.ngram_min, "max": args.ngram_max} if need_ngram else None}
+                "ngram": {"min": args.ngram_min, "max": args.ngram_max} if need_ngram else None,
+                # The fastest health check to each worker: the network round trip the rounds pay.
+                "rtt_ms": {role: round(1000 * s, 3)
+                           for role, s in coordinators["model" if need_model else None].round_trip_s.items()}}
 
         prompt_ids = {p["id"]: base.encode_prompt(p["prompt"], chat=not args.no_chat) for p in prompts}
         warm = prompt_ids[prompts[0]["id"]]

@@ -3,7 +3,8 @@
 pinned on is cut (its switch port goes down: packets vanish, no RST, no ICMP), which only the Verify deadline and
 keepalive can notice; the session must fail over to the other verifier and produce exactly the target's greedy output.
 
-Needs root (CAP_NET_ADMIN) and `ip`; skips with the reason otherwise. The coordinator side runs in its namespace as
+The namespaces come from coordinator/benchmarks/netns.py (shared with the split-host benchmark). Needs root
+(CAP_NET_ADMIN) and `ip`; skips with the reason otherwise. The coordinator side runs in its namespace as
 this module run as a script (`python -m tests.chaos.test_multihost '<json config>'`), talking over stdin/stdout:
 
     driver -> test   READY                 every endpoint SERVING
@@ -17,9 +18,6 @@ from __future__ import annotations
 import json
 import os
 import queue
-import re
-import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -28,6 +26,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from coordinator.benchmarks.netns import Mesh, MeshUnavailable, remove_stale_namespaces
 
 REPO = Path(__file__).resolve().parents[2]
 SUBNET = "10.213.7"  # private /24, used only inside this test's namespaces
@@ -39,121 +39,12 @@ HEALTH_WAIT_S = 40.0  # a cut link shows in health once TCP_USER_TIMEOUT / keepa
 STARTUP_TIMEOUT_S = 120.0
 
 
-class MeshUnavailable(Exception):
-    """Network namespaces, veths or bridges cannot be made here."""
-
-
-def ip(*args: str) -> str:
-    try:
-        done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=15)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        raise MeshUnavailable(f"`ip {' '.join(args)}` failed: {e}") from e
-    if done.returncode != 0:
-        raise MeshUnavailable(f"`ip {' '.join(args)}` failed ({done.returncode}): {done.stderr.strip()}")
-    return done.stdout
-
-
-class Mesh:
-    """One namespace per host, each with an eth0 veth whose peer (port p-<host>) sits on br0 in the switch ns."""
-
-    def __init__(self) -> None:
-        self.tag = f"smh{os.getpid()}x{time.monotonic_ns() % 100000}"
-        self.switch = f"{self.tag}-sw"
-        self.namespaces: list[str] = []
-        self.processes: list[subprocess.Popen] = []
-
-    def ns(self, host: str) -> str:
-        return f"{self.tag}-{host}"
-
-    @staticmethod
-    def address(host: str) -> str:
-        return f"{SUBNET}.{HOSTS[host]}"
-
-    def _add_ns(self, name: str) -> None:
-        ip("netns", "add", name)
-        self.namespaces.append(name)
-        ip("-n", name, "link", "set", "lo", "up")
-
-    def build(self) -> None:
-        if shutil.which("ip") is None:
-            raise MeshUnavailable("the `ip` command (iproute2) is not installed")
-        self._add_ns(self.switch)
-        ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
-        ip("-n", self.switch, "link", "set", "br0", "up")
-        for host, last in HOSTS.items():
-            name, port = self.ns(host), f"p-{host}"
-            self._add_ns(name)
-            ip("-n", self.switch, "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", name)
-            ip("-n", self.switch, "link", "set", port, "master", "br0")
-            ip("-n", self.switch, "link", "set", port, "up")
-            ip("-n", name, "addr", "add", f"{SUBNET}.{last}/24", "dev", "eth0")
-            ip("-n", name, "link", "set", "eth0", "up")
-
-    def cut(self, host: str) -> None:
-        """Take the host's switch port down: its packets are dropped silently, in both directions."""
-        ip("-n", self.switch, "link", "set", f"p-{host}", "down")
-
-    def popen(self, host: str, argv: list[str], log_path: str, **kwargs) -> subprocess.Popen:
-        log = open(log_path, "ab")
-        try:
-            process = subprocess.Popen(["ip", "netns", "exec", self.ns(host), *argv], cwd=REPO, stderr=log,
-                                       **kwargs)
-        finally:
-            log.close()  # the child holds its own copy
-        self.processes.append(process)
-        return process
-
-    def close(self) -> None:
-        for process in self.processes:
-            if process.poll() is None:
-                process.kill()
-        for process in self.processes:
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
-        for name in reversed(self.namespaces):
-            # Anything still inside was started by this test (ip netns exec execs in place): end it by pid.
-            try:
-                pids = [int(p) for p in ip("netns", "pids", name).split()]
-            except MeshUnavailable:
-                pids = []
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            try:
-                ip("netns", "del", name)  # deleting a namespace deletes its veth ends and so their peers
-            except MeshUnavailable as e:
-                print(f"warning: could not delete namespace {name}: {e}", file=sys.stderr)
-        self.namespaces.clear()
-
-
-def remove_stale_namespaces() -> None:
-    """Namespaces of an earlier run of this test whose pytest died without its finaliser (SIGKILL): removed when
-    that pytest is gone and nothing runs inside them any more."""
-    try:
-        names = [line.split()[0] for line in ip("netns", "list").splitlines() if line.strip()]
-    except MeshUnavailable:
-        return
-    for name in names:
-        match = re.fullmatch(r"smh(\d+)x\d+-\w+", name)
-        if not match or Path(f"/proc/{match.group(1)}").exists():
-            continue
-        try:
-            if not ip("netns", "pids", name).split():
-                ip("netns", "del", name)
-        except MeshUnavailable:
-            pass
-
-
 @pytest.fixture
 def mesh():
     if os.geteuid() != 0:
         pytest.skip("network namespaces need root (CAP_NET_ADMIN)")
     remove_stale_namespaces()
-    m = Mesh()
+    m = Mesh(HOSTS, SUBNET, cwd=REPO)
     try:
         try:
             m.build()

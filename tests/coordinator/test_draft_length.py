@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import time
+from dataclasses import replace
+from types import SimpleNamespace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from coordinator.api import cost_prior, round_trip_s
 from coordinator.draft_length import (POLICIES, PRIOR_ACCEPTANCE, PROBE_EVERY, PROBE_RARELY, CostEstimate,
-                                      DraftLength, RoundRecord, estimate_costs)
+                                      DraftLength, RoundRecord, estimate_costs, measured_bet_hit)
 
 
 def rounds_from(pattern: list[tuple[int, int]], draft_s_per_token: float, verify_base: float,
@@ -112,3 +117,94 @@ def test_every_policy_stays_within_its_bounds(name, k, rounds):
                for drafted, accepted, draft_s, verify_s in rounds]
     allowed = {*range(2, 9), *((0,) if name == "cost" else ())}
     assert length.first() in allowed and length.next(k, history) in allowed
+
+
+# ---- round trips and the pipelined bet (split hosts) ----
+
+def test_round_trips_make_drafting_pay_where_a_verify_is_far_and_not_where_the_drafter_is():
+    near = CostEstimate(0.8, 0.1, 1.0, 0.1)
+    assert replace(near, verify_round_trip_s=2.0).best_k(16) > near.best_k(16), \
+        "a verify round trip is paid per round: longer drafts amortise it"
+    slow_drafter = CostEstimate(0.9, 0.6, 1.0, 0.3)
+    assert slow_drafter.best_k(16) == 0
+    assert replace(slow_drafter, verify_round_trip_s=3.0).best_k(16) >= 1, "speculation amortises the round trip"
+    far_drafter = CostEstimate(0.9, 0.1, 1.0, 0.1, draft_round_trip_s=5.0)
+    assert far_drafter.best_k(16) == 0, "a Propose round trip longer than what drafting saves never pays"
+    assert far_drafter.round_s(0) == pytest.approx(1.0), "a round without drafts makes no Propose call"
+
+
+def test_pipelined_round_time_hides_the_draft_when_the_bet_wins():
+    # verify 1 + 0.1*3 = 1.3 s; the bet drafts 4 tokens in 0.8 s during it; drafting 3 afresh costs 0.6 s.
+    sure = CostEstimate(1.0, 0.2, 1.0, 0.1, pipelined=True, bet_hit=1.0)
+    assert sure.round_s(3) == pytest.approx(1.3)
+    assert replace(sure, bet_hit=0.5).round_s(3) == pytest.approx(1.3 + 0.5 * 0.6)
+    assert replace(sure, pipelined=False).round_s(3) == pytest.approx(1.9)
+    slow_bet = replace(sure, draft_s_per_token=0.5)  # the bet (2.0 s) outlasts the verify: it is waited for
+    assert slow_bet.round_s(3) == pytest.approx(2.0)
+    assert sure.round_s(0) == pytest.approx(1.0)
+    partly = CostEstimate(0.8, 0.2, 1.0, 0.1, pipelined=True)  # no measured hit rate: the bet's token is a draft
+    assert partly.round_s(3) == pytest.approx(1.3 + (1 - 0.8 ** 4) * 0.6)
+
+
+def test_the_cost_policy_drafts_where_only_the_pipelined_bet_makes_it_pay():
+    prior = CostEstimate(0.8, 0.55, 1.0, 0.3)  # a draft token plus its verify share cost more than it is worth...
+    assert DraftLength(policy="cost", prior=prior).first() == 0
+    # ... unless the drafter, on its own core, drafts during the verify
+    assert DraftLength(policy="cost", prior=prior, pipelined=True).first() >= 1
+
+
+def test_bet_hit_rate_counts_fully_accepted_rounds_with_a_bet():
+    rounds = [RoundRecord(4, 4, 9.0, 9.0, bet_won=False),  # round 0 (prefill): left out
+              RoundRecord(4, 4, 0.1, 0.2, bet_won=True), RoundRecord(4, 4, 0.1, 0.2, bet_won=False),
+              RoundRecord(4, 2, 0.1, 0.2, bet_won=False),  # lost on a rejected draft: says nothing about the guess
+              RoundRecord(4, 4, 0.1, 0.2, bet_won=True), RoundRecord(4, 4, 0.1, 0.2)]
+    assert measured_bet_hit(rounds) == pytest.approx(2 / 3)
+    assert measured_bet_hit(rounds[:1]) is None
+
+
+def test_the_bet_drafts_what_the_policy_would_draft_after_a_full_acceptance():
+    assert DraftLength(policy="heuristic").after_full_acceptance(4, [], 0.1) == 6
+    assert DraftLength(policy="heuristic", maximum=5).after_full_acceptance(4, [], 0.1) == 5
+    assert DraftLength.fixed(3).after_full_acceptance(3, [], 0.1) == 3
+    never = CostEstimate(0.8, 0.6, 1.0, 0.7)  # drafting cannot pay: no next draft, so no bet
+    assert DraftLength(policy="cost", prior=never).after_full_acceptance(2, [RoundRecord(0, 0, 0.0, 1.0)], 0.1) == 0
+
+
+def test_costs_are_validated():
+    with pytest.raises(ValueError, match="probabilities"):
+        CostEstimate(1.5, 0.1, 1.0, 0.1)
+    with pytest.raises(ValueError, match=">= 0"):
+        CostEstimate(0.5, 0.1, 1.0, 0.1, verify_round_trip_s=-1.0)
+
+
+def test_the_prior_counts_round_trips_in_whole_milliseconds():
+    verifier = SimpleNamespace(verify_base_s=0.4, verify_per_draft_s=0.05)
+    drafter = SimpleNamespace(draft_per_token_s=0.1)
+    prior = cost_prior(verifier, drafter, {"verifier": 0.0207, "drafter": 0.0004})
+    assert (prior.verify_round_trip_s, prior.draft_round_trip_s) == pytest.approx((0.020, 0.0))
+    assert cost_prior(verifier, drafter).verify_round_trip_s == 0.0
+    assert cost_prior(SimpleNamespace(verify_base_s=0.0, verify_per_draft_s=0.0), drafter) is None
+
+
+def test_round_trip_is_the_fastest_health_check():
+    delays = iter([0.03, 0.01, 0.02])
+
+    def is_serving(timeout_s):
+        time.sleep(next(delays))
+        return True
+    endpoint = SimpleNamespace(serving=True, client=SimpleNamespace(is_serving=is_serving))
+    assert 0.01 <= round_trip_s(SimpleNamespace(endpoints=[endpoint]), probes=3) < 0.02
+    down = SimpleNamespace(serving=False, client=SimpleNamespace(is_serving=lambda timeout_s: False))
+    assert round_trip_s(SimpleNamespace(endpoints=[down]), probes=2) == 0.0
+
+
+def test_a_bet_that_costs_more_than_it_saves_is_not_placed():
+    # Rarely accepted, slow drafts: the 3-token bet (3 s) outlasts the verify (0.5 s) and almost always loses.
+    costly = CostEstimate(0.3, 1.0, 0.5, 0.0, pipelined=True)
+    assert not costly.bet_pays(2)
+    assert costly.round_s(2) == pytest.approx(2.5), "without a bet a round costs what an unpipelined one does"
+    prior = replace(costly, pipelined=False)
+    assert not DraftLength(policy="cost", prior=prior, pipelined=True).bet_pays(2, [])
+    assert DraftLength(policy="cost", prior=CostEstimate(0.9, 0.1, 1.0, 0.0), pipelined=True).bet_pays(2, [])
+    assert DraftLength(policy="heuristic", prior=prior, pipelined=True).bet_pays(2, []), "no costs: always bet"
+    assert not CostEstimate(0.9, 0.1, 1.0, 0.0).bet_pays(2), "not pipelined: no bet"

@@ -82,6 +82,29 @@ def test_pipelined_loop_with_an_identical_drafter_never_waits_for_it(tiny_target
     assert len(drafter.requested) == 1 and drafter.ahead_calls >= len(result.rounds) - 1
 
 
+def test_the_pipelined_bet_drafts_the_next_round_and_one_token_more(tiny_target, prompt):
+    """A fixed k = 3 with an identical drafter: each bet asks for exactly 3 + 1 tokens (the next round's draft and
+    the guess of the target's own token), wins, and the round records that it won."""
+    expected = reference_greedy(tiny_target.model, prompt, 30, set(tiny_target.eos_token_ids))
+    drafter = InProcessDrafter(DraftEngine(tiny_target), prompt)
+    bets = []
+    plain_propose = drafter.propose
+
+    def propose(k, after=()):
+        if after:
+            bets.append(k)
+        return plain_propose(k, after)
+    drafter.propose = propose
+    result = speculative_decode(drafter, InProcessTarget(VerifyEngine(tiny_target), prompt),
+                                LoopConfig(max_new_tokens=30, eos_token_ids=frozenset(tiny_target.eos_token_ids),
+                                           pipeline=True, draft_length=DraftLength.fixed(3)))
+    assert result.tokens == expected
+    assert bets and set(bets) == {4}
+    with_bet = [r.bet_won for r in result.rounds if r.bet_won is not None]
+    assert len(with_bet) == len(bets) and all(with_bet)
+    assert len(drafter.requested) == 1, "every later round's draft came from a bet"
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 @pytest.mark.parametrize("draft_fixture", ["tiny_target", "tiny_unrelated_draft"])
 def test_pipelined_loop_gives_the_same_output(tiny_target, prompt, temperature, draft_fixture, request):

@@ -140,12 +140,12 @@ class DraftEngine:
             self._queue.extendleft(reversed(later))
         if joining and not self._drafting:
             self._busy_since = time.monotonic()
+        self._drafting.extend(joining)  # first: whatever happens next, a row is answered (see _step)
         for request in joining:
             if not request.is_active():
                 request.error = Cancelled("the call was cancelled or its deadline passed while queued")
             else:
                 self._sync(request)
-            self._drafting.append(request)
 
     def _wait_for_active_sessions(self) -> None:
         """Called holding the queue lock, before a new batch: give sessions answered within the last few batches up to

@@ -5,8 +5,9 @@ drafting at that moment (specmesh/runtime/batched_forward.py on the transformers
 sequence id per row on llama.cpp; the same engine call the verifier batches with). Scheduling is per step, as in Orca's
 iteration-level batching: a call that arrives while others draft joins them at the next step, and a row that has its
 k tokens (or fails, or whose caller has gone) leaves and is answered at once, while the others go on to their own k.
-As in the verifier there is no batching thread: each caller queues its request and, while it is not answered, runs
-the next step for everyone whenever it gets the model. A lone call never waits; a new batch (nothing drafting) waits
+As in the verifier there is no batching thread: each caller queues its request; one caller at a time runs steps for
+everyone until its own request is answered, and then hands over to a caller still waiting. Callers whose rows are done
+are woken at once, so that their next calls can join the rows still drafting. A lone call never waits; a new batch (nothing drafting) waits
 up to `max_batch_wait_s` for sessions answered recently, which are usually at the verifier and about to come back.
 """
 
@@ -73,6 +74,8 @@ class DraftEngine:
         self.max_batch_size = min(batching.max_batch_size, loaded.max_batch_size)
         self.max_batch_wait_s = batching.max_batch_wait_s
         self._model_lock = threading.Lock()  # one draft step at a time: CPU threads are already all in use
+        self._turn = threading.Condition()  # notified when rows are answered or the stepping caller stops
+        self._stepping = False  # a caller is running steps (guarded by _turn)
         self._queue_lock = threading.Lock()
         self._arrived = threading.Condition(self._queue_lock)  # notified when a request is queued
         self._queue: deque[_Request] = deque()
@@ -94,10 +97,21 @@ class DraftEngine:
             self._arrived.notify_all()
 
     def _answer(self, request: _Request) -> Proposal:
-        while not request.done:
-            with self._model_lock:
-                if not request.done:  # else another caller ran its last step while we waited for the model
-                    self._step()
+        while True:
+            with self._turn:
+                # Another caller may be stepping: wait until it has answered this request or stopped stepping.
+                self._turn.wait_for(lambda: request.done or not self._stepping)
+                if request.done:
+                    break
+                self._stepping = True
+            try:
+                with self._model_lock:
+                    while not request.done:
+                        self._step()
+            finally:
+                with self._turn:
+                    self._stepping = False
+                    self._turn.notify_all()
         if request.error is not None:
             raise request.error
         assert request.proposal is not None
@@ -212,6 +226,8 @@ class DraftEngine:
                     self._answered_at[request.session_id] = now
             request.session = None
             request.done = True  # last: the caller may read the answer as soon as this is set
+        with self._turn:
+            self._turn.notify_all()
         self.sessions.enforce_memory()
         if not self._drafting:
             self._last_busy_s = now - self._busy_since

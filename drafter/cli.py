@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 
-from drafter.config import METHODS, DrafterConfig
+from drafter.config import METHODS, DraftBatchingConfig, DrafterConfig
 from drafter.ngram import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM
 from drafter.service import DrafterRole
 from specmesh.runtime.catalog import DEFAULT_DRAFT_MODEL
 from specmesh.worker.cli import RoleCommand, serve_main
 from specmesh.worker.config import ModelConfig
+
+BATCHING = DraftBatchingConfig()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,11 +28,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help=f"ngram: longest n-gram matched (default: {DEFAULT_MAX_NGRAM})")
     group.add_argument("--ngram-min", type=int, default=None,
                        help=f"ngram: shortest n-gram matched (default: {DEFAULT_MIN_NGRAM})")
+    batching = parser.add_argument_group("batching (drafter only, --method model)")
+    batching.add_argument("--max-batch-size", type=int, default=BATCHING.max_batch_size,
+                          help="Propose calls of different sessions draft together: each draft step is one forward "
+                          "pass of up to this many sessions, a call arriving meanwhile joins at the next step, and "
+                          "each session stops at its own k; 1 turns cross-session batching off "
+                          f"(default: {BATCHING.max_batch_size})")
+    batching.add_argument("--max-batch-wait", type=float, default=BATCHING.max_batch_wait_s,
+                          help="seconds a new batch may wait for recently answered sessions to send their next call, "
+                          "so that they draft together from the first step; 0 never waits "
+                          f"(default: {BATCHING.max_batch_wait_s})")
 
 
 def make_role(args: argparse.Namespace, model: ModelConfig) -> DrafterRole:
     return DrafterRole(DrafterConfig(model, method=args.method, vocab_size=args.vocab_size, ngram_min=args.ngram_min,
-                                     ngram_max=args.ngram_max))
+                                     ngram_max=args.ngram_max,
+                                     batching=DraftBatchingConfig(max_batch_size=args.max_batch_size,
+                                                                  max_batch_wait_s=args.max_batch_wait)))
 
 
 COMMAND = RoleCommand("drafter", DEFAULT_DRAFT_MODEL, add_arguments, make_role)

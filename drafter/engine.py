@@ -1,18 +1,62 @@
-"""Draft generation with a draft model on a session's KV cache, free of gRPC."""
+"""Draft generation with a draft model on a session's KV cache, free of gRPC.
+
+Concurrent Propose calls of different sessions draft together: each draft step is ONE forward pass over every session
+drafting at that moment (specmesh/runtime/batched_forward.py on the transformers engine, one `llama_decode` with a
+sequence id per row on llama.cpp; the same engine call the verifier batches with). Scheduling is per step, as in Orca's
+iteration-level batching: a call that arrives while others draft joins them at the next step, and a row that has its
+k tokens (or fails, or whose caller has gone) leaves and is answered at once, while the others go on to their own k.
+As in the verifier there is no batching thread: each caller queues its request; one caller at a time runs steps for
+everyone until its own request is answered, and then hands over to a caller still waiting. Callers whose rows are done
+are woken at once, so that their next calls can join the rows still drafting. A lone call never waits; a new batch (nothing drafting) waits
+up to `max_batch_wait_s` for sessions answered recently, which are usually at the verifier and about to come back.
+"""
 
 from __future__ import annotations
 
 import threading
+import time
+from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
+from drafter.config import DraftBatchingConfig
 from drafter.proposer import Proposal
 from specmesh.decoding.sampling import SamplingParams, SparseDist, draft_sample
+from specmesh.ops import metrics
+from specmesh.runtime.batched_forward import MAX_BATCHED_FRESH_TOKENS, fresh_length
 from specmesh.runtime.engine import ModelEngine, as_engine
 from specmesh.wire.contract import Cancelled
 from specmesh.wire.history import EMPTY_HASH, TokenHistory
 from specmesh.worker.cost_probe import PROBE_DRAFTS, fastest_runs, probe_context
 from specmesh.worker.role import ModelDescription
-from specmesh.worker.session_store import SessionLimits, SessionStore, kv_sessions
+from specmesh.worker.session_store import Session, SessionLimits, SessionStore, kv_sessions
+
+
+@dataclass
+class _Request:
+    """One Propose call, and while it drafts, its row in the batch."""
+
+    session_id: str
+    base_length: int
+    base_hash: int
+    new_tokens: list[int]
+    k: int
+    params: SamplingParams
+    seed: int
+    is_active: Callable[[], bool] = lambda: True  # False once the caller has gone (cancelled, deadline passed)
+    done: bool = False
+    proposal: Proposal | None = None
+    error: BaseException | None = None
+    # Filled when it joins the drafting rows.
+    session: Session | None = field(default=None, repr=False)
+    committed_length: int = 0
+    sequence: list[int] = field(default_factory=list)  # the committed history, then the drafts so far
+    tokens: list[int] = field(default_factory=list)
+    dists: list[SparseDist] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.error is not None or len(self.tokens) >= self.k
 
 
 class DraftEngine:
@@ -22,39 +66,191 @@ class DraftEngine:
     cache rolls back to the longest prefix shared with the new committed history (explicit rollback of the rest).
     """
 
-    def __init__(self, loaded: ModelEngine, limits: SessionLimits = SessionLimits()) -> None:
+    def __init__(self, loaded: ModelEngine, limits: SessionLimits = SessionLimits(),
+                 batching: DraftBatchingConfig = DraftBatchingConfig()) -> None:
         self.loaded = loaded = as_engine(loaded)  # the model engine: transformers or llama.cpp
         self.description = ModelDescription.of(loaded)
         self.sessions = SessionStore(limits, kv_sessions(loaded))
-        self._lock = threading.Lock()  # one forward pass at a time: CPU threads are already all in use
+        self.max_batch_size = min(batching.max_batch_size, loaded.max_batch_size)
+        self.max_batch_wait_s = batching.max_batch_wait_s
+        self._model_lock = threading.Lock()  # one draft step at a time: CPU threads are already all in use
+        self._turn = threading.Condition()  # notified when rows are answered or the stepping caller stops
+        self._stepping = False  # a caller is running steps (guarded by _turn)
+        self._queue_lock = threading.Lock()
+        self._arrived = threading.Condition(self._queue_lock)  # notified when a request is queued
+        self._queue: deque[_Request] = deque()
+        self._drafting: list[_Request] = []  # the batch's rows; only touched holding the model lock
+        self._answered_at: dict[str, float] = {}  # session -> when it last got an answer (monotonic)
+        self._busy_since = 0.0
+        self._last_busy_s = 0.0  # how long the last batch (from a first row to no rows) took
         self.draft_per_token_s = 0.0  # measured by warm_up
 
     def propose(self, session_id: str, base_length: int, base_hash: int, new_tokens: list[int], k: int,
                 params: SamplingParams, seed: int, is_active: Callable[[], bool] = lambda: True) -> Proposal:
-        with self._lock:
-            session = self.sessions.synced(session_id, base_length, base_hash, new_tokens)
-            committed = list(session.history.tokens)
-            sequence = list(committed)
-            tokens: list[int] = []
-            dists: list[SparseDist] = []
-            for _ in range(k):
-                if not is_active():  # the caller gave up: free the model for calls that still matter
-                    raise Cancelled("the call was cancelled or its deadline passed while drafting")
-                logits = session.sequence.logits_for(sequence, last_n=1)[0]
-                draft = draft_sample(logits, params, seed, position=len(sequence))
-                tokens.append(draft.token)
-                if draft.dist is not None:
-                    dists.append(draft.dist)
-                sequence.append(draft.token)
-            self.sessions.enforce_memory()
-            return Proposal(tuple(tokens), tuple(dists), len(committed))
+        request = _Request(session_id, base_length, base_hash, list(new_tokens), k, params, seed, is_active)
+        self._queue_request(request)
+        return self._answer(request)
+
+    def _queue_request(self, request: _Request) -> None:
+        with self._arrived:
+            self._queue.append(request)
+            self._arrived.notify_all()
+
+    def _answer(self, request: _Request) -> Proposal:
+        while True:
+            with self._turn:
+                # Another caller may be stepping: wait until it has answered this request or stopped stepping.
+                self._turn.wait_for(lambda: request.done or not self._stepping)
+                if request.done:
+                    break
+                self._stepping = True
+            try:
+                with self._model_lock:
+                    while not request.done:
+                        self._step()
+            finally:
+                with self._turn:
+                    self._stepping = False
+                    self._turn.notify_all()
+        if request.error is not None:
+            raise request.error
+        assert request.proposal is not None
+        return request.proposal
+
+    # ------------------------------------------------------------------ one step for every drafting row
+
+    def _step(self) -> None:
+        """Called holding the model lock: admit queued calls, then draft one token for every row (a long prompt's
+        prefill on its own: batched rows compute logits for every fresh column), then answer the rows that are done."""
+        try:
+            self._admit()
+            for request in self._drafting:
+                if not request.finished and not request.is_active():  # free the model for calls that still matter
+                    request.error = Cancelled("the call was cancelled or its deadline passed while drafting")
+            rows = [r for r in self._drafting if not r.finished]
+            prefills = [r for r in rows if fresh_length(r.session.sequence, r.sequence, 1) > MAX_BATCHED_FRESH_TOKENS]
+            decodes = [r for r in rows if r not in prefills]
+            for group in [*([r] for r in prefills), *([decodes] if decodes else [])]:
+                self._draft_together(group)
+        except Exception as e:  # a bug, not a request's fault: no row may wait for a step that will never come
+            for request in self._drafting:
+                if not request.finished:
+                    request.error = e
+        finally:
+            self._answer_finished()
+
+    def _admit(self) -> None:
+        """Queued calls join the rows, oldest first, up to max_batch_size rows and one per session (a session's calls
+        run in order: a retry can arrive while its first attempt is still drafting)."""
+        with self._arrived:
+            if not self._drafting:
+                self._wait_for_active_sessions()
+            sessions = {r.session_id for r in self._drafting}
+            joining, later = [], deque()
+            while self._queue and len(self._drafting) + len(joining) < self.max_batch_size:
+                request = self._queue.popleft()
+                (later if request.session_id in sessions else joining).append(request)
+                sessions.add(request.session_id)
+            self._queue.extendleft(reversed(later))
+        if joining and not self._drafting:
+            self._busy_since = time.monotonic()
+        self._drafting.extend(joining)  # first: whatever happens next, a row is answered (see _step)
+        for request in joining:
+            if not request.is_active():
+                request.error = Cancelled("the call was cancelled or its deadline passed while queued")
+            else:
+                self._sync(request)
+
+    def _wait_for_active_sessions(self) -> None:
+        """Called holding the queue lock, before a new batch: give sessions answered within the last few batches up to
+        max_batch_wait_s to queue their next call, so that they start together instead of one step apart."""
+        if self.max_batch_size == 1 or self.max_batch_wait_s == 0:
+            return
+        now = time.monotonic()
+        horizon = max(1.0, 3 * self._last_busy_s)
+        for session_id in [s for s, t in self._answered_at.items() if now - t > horizon]:
+            del self._answered_at[session_id]
+        deadline = now + self.max_batch_wait_s
+        while True:
+            queued = {r.session_id for r in self._queue}
+            expected = min(self.max_batch_size, len(queued | self._answered_at.keys()))
+            remaining = deadline - time.monotonic()
+            if len(queued) >= expected or remaining <= 0:
+                return
+            self._arrived.wait(remaining)
+
+    def _sync(self, request: _Request) -> None:
+        """Bring the request's session up to the client's history; a request that cannot be synced fails alone."""
+        try:
+            request.session = self.sessions.synced(request.session_id, request.base_length, request.base_hash,
+                                                   request.new_tokens)
+        except Exception as e:  # ResyncRequired, ValueError: answered to this caller only
+            request.error = e
+            return
+        request.sequence = list(request.session.history.tokens)
+        request.committed_length = len(request.sequence)
+
+    def _draft_together(self, group: list[_Request]) -> None:
+        """One forward pass: the next token's logits for each row's sequence, then one draft token per row."""
+        try:
+            all_logits = self.loaded.batched_logits([r.session.sequence for r in group], [r.sequence for r in group],
+                                                    [1] * len(group))
+        except Exception as e:
+            for request in group:
+                # The caches may hold a partial update: drop them, the clients' next calls resync.
+                self.sessions.end(request.session_id)
+                request.error = e
+            return
+        metrics.DRAFT_BATCH_SIZE.observe(len(group))
+        for request, logits in zip(group, all_logits):
+            try:
+                draft = draft_sample(logits[0], request.params, request.seed, position=len(request.sequence))
+            except Exception as e:
+                request.error = e
+                continue
+            request.tokens.append(draft.token)
+            if draft.dist is not None:
+                request.dists.append(draft.dist)
+            request.sequence.append(draft.token)
+
+    def _answer_finished(self) -> None:
+        finished = [r for r in self._drafting if r.finished]
+        if not finished:
+            return
+        self._drafting = [r for r in self._drafting if not r.finished]
+        now = time.monotonic()
+        for request in finished:
+            if request.error is None:
+                request.proposal = Proposal(tuple(request.tokens), tuple(request.dists), request.committed_length)
+                with self._queue_lock:
+                    self._answered_at[request.session_id] = now
+            request.session = None
+            request.done = True  # last: the caller may read the answer as soon as this is set
+        with self._turn:
+            self._turn.notify_all()
+        self.sessions.enforce_memory()
+        if not self._drafting:
+            self._last_busy_s = now - self._busy_since
+
+    # ------------------------------------------------------------------ sessions and warm-up
 
     def end_session(self, session_id: str) -> bool:
+        """Forget a session: its KV cache, and that it may come back soon (no batch waits for it)."""
+        with self._queue_lock:
+            self._answered_at.pop(session_id, None)
         return self.sessions.end(session_id)
 
     def warm_up(self) -> None:
-        """One proposal so the first real call is not slow; then measure seconds per draft token (the fastest of a
-        few proposals, on a short context), the coordinator's prior for its draft length policy."""
+        """One batched (when batching is on) and one single proposal so the first real calls are not slow; then
+        measure seconds per draft token (the fastest of a few proposals, on a short context), the coordinator's prior
+        for its draft length policy."""
+        if self.max_batch_size > 1:
+            pair = [_Request(f"warm-up-{i}", 0, EMPTY_HASH, [0, 1, 2 + i], 2, SamplingParams(), 0) for i in range(2)]
+            for request in pair:
+                self._queue_request(request)
+            for request in pair:
+                self._answer(request)
+                self.end_session(request.session_id)
         context = probe_context(self.loaded.vocab_size)
         self.propose("warm-up", 0, EMPTY_HASH, context, 1, SamplingParams(), 0)
         context_hash = TokenHistory(context).hash_at(len(context))

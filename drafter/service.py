@@ -8,7 +8,7 @@ from contextlib import contextmanager
 
 import grpc
 
-from drafter.config import DrafterConfig
+from drafter.config import DraftBatchingConfig, DrafterConfig
 from drafter.engine import DraftEngine
 from drafter.ngram import NgramEngine, describe_loaded, describe_target
 from drafter.proposer import Proposer
@@ -47,8 +47,8 @@ class DrafterServicer(WorkerServicerBase, pb_grpc.DrafterServicer):
 
 
 def model_proposer(config: DrafterConfig, server: ServerConfig, preloaded: LoadedModel | None) -> Proposer:
-    """The draft model config.model, on a KV cache per session."""
-    return DraftEngine(config.model.load(server, preloaded), server.limits)
+    """The draft model config.model, on a KV cache per session, with concurrent sessions' draft steps batched."""
+    return DraftEngine(config.model.load(server, preloaded), server.limits, config.batching)
 
 
 def ngram_proposer(config: DrafterConfig, server: ServerConfig, preloaded: LoadedModel | None) -> Proposer:
@@ -96,9 +96,11 @@ def run_server(model: str | LoadedModel, port: int = 0, method: str = "model", v
 
     With method="ngram", `model` names (or is) the target whose tokenizer the drafter uses; no weights are loaded."""
     preloaded = model if isinstance(model, LoadedModel) else None
-    server_options, model_options, faults = split_options(options, ServerConfig, ModelConfig, FaultInjection)
+    server_options, model_options, batching, faults = split_options(options, ServerConfig, ModelConfig,
+                                                                    DraftBatchingConfig, FaultInjection)
     config = DrafterConfig(ModelConfig(preloaded.name if preloaded else model, **model_options), method=method,
-                           vocab_size=vocab_size, ngram_min=ngram_min, ngram_max=ngram_max)
+                           vocab_size=vocab_size, ngram_min=ngram_min, ngram_max=ngram_max,
+                           batching=DraftBatchingConfig(**batching))
     server = WorkerServer(DrafterRole(config, preloaded), ServerConfig(port=port, **server_options),
                           FaultInjection(**faults))
     with serving(server) as server:

@@ -16,6 +16,7 @@ import sys
 
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import pytest
 
 from coordinator import Coordinator, GenerationOptions
@@ -23,6 +24,10 @@ from coordinator.local_workers import LocalWorker, LocalWorkerSpec, free_port
 from coordinator.resilience import ResilienceConfig
 from specmesh.ops.metrics import read_histogram
 from specmesh.runtime.catalog import DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL
+from specmesh.runtime.tokenizer import load_tokenizer
+from specmesh.v1 import specmesh_pb2 as pb
+from specmesh.v1 import specmesh_pb2_grpc as pb_grpc
+from specmesh.wire.history import EMPTY_HASH
 from tests.chaos.conftest import Fleet, once
 
 pytestmark = pytest.mark.real_models
@@ -42,13 +47,14 @@ def real_worker(role: str, log_dir: str, *extra: str) -> LocalWorker:
 
 @pytest.fixture(scope="module")
 def real_pair(tmp_path_factory):
-    """A verifier with a metrics endpoint (`real_pair.metrics_port`) and a drafter, loading side by side; the chaos
-    tests add a second verifier. All are stopped at the end of the module."""
+    """A verifier and a drafter (both batching across sessions, the default), each with a metrics endpoint
+    (`real_pair.metrics_port`, `real_pair.draft_metrics_port`), loading side by side; the chaos tests add a second
+    verifier. All are stopped at the end of the module."""
     fleet = Fleet(str(tmp_path_factory.mktemp("real-pair")), DEFAULT_TARGET_MODEL, DEFAULT_DRAFT_MODEL, "float32")
-    fleet.metrics_port = free_port()
+    fleet.metrics_port, fleet.draft_metrics_port = free_port(), free_port()
     try:
         fleet.workers.append(real_worker("verifier", fleet.log_dir, "--metrics-port", str(fleet.metrics_port)))
-        fleet.workers.append(real_worker("drafter", fleet.log_dir))
+        fleet.workers.append(real_worker("drafter", fleet.log_dir, "--metrics-port", str(fleet.draft_metrics_port)))
         for worker in fleet.workers:
             worker.wait_serving(timeout_s=900)
         yield fleet
@@ -155,6 +161,42 @@ def test_cross_tokenizer_drafter_equals_target_only_greedy(workers):
     assert speculative["token_ids"] == baseline["token_ids"]
     assert speculative["stats"]["draft_tokenizer"] == "translated"
     assert speculative["stats"]["accepted_tokens"] > 0  # the translated drafts are the target's tokens, often right
+
+
+def draft_histogram(real_pair) -> tuple[float, float]:
+    return read_histogram(f"http://127.0.0.1:{real_pair.draft_metrics_port}/metrics", "specmesh_draft_batch_size")
+
+
+def test_batched_draft_steps_propose_what_lone_calls_propose(real_pair, workers):
+    """Three sessions with different prompts and k (3, 5, 8) propose at once: their draft steps share forward passes
+    of the 0.5B drafter (float32), and each proposal equals the one the same call gets alone (a lone call runs the
+    unbatched path); then fixed-k speculative generations at once stay equal to target-only."""
+    tokenizer = load_tokenizer(DEFAULT_DRAFT_MODEL, progress=False)
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    ks = [3, 5, 8]
+
+    def propose(stub, session_id: str, prompt: list[int], k: int) -> list[int]:
+        reply = stub.Propose(pb.ProposeRequest(session_id=session_id, num_tokens=k, context=pb.ContextSync(
+            base_length=0, base_hash=EMPTY_HASH, new_tokens=prompt)), timeout=300)
+        stub.EndSession(pb.EndSessionRequest(session_id=session_id), timeout=60)
+        return list(reply.tokens)
+
+    with grpc.insecure_channel(workers["drafter"]) as channel:
+        stub = pb_grpc.DrafterStub(channel)
+        before = draft_histogram(real_pair)
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            together = list(pool.map(lambda i: propose(stub, f"together-{i}", prompts[i], ks[i]), range(len(prompts))))
+        after = draft_histogram(real_pair)
+        alone = [propose(stub, f"alone-{i}", prompts[i], ks[i]) for i in range(len(prompts))]
+    assert [len(t) for t in together] == ks
+    assert together == alone
+    rows, steps = after[0] - before[0], after[1] - before[1]
+    assert rows / steps > 1.2, f"{rows} draft rows in {steps} forward passes: little batching"
+
+    before = draft_histogram(real_pair)
+    assert concurrently(workers, draft_tokens=4) == [target_only(workers, p)["token_ids"] for p in PROMPTS]
+    after = draft_histogram(real_pair)
+    assert (after[0] - before[0]) / (after[1] - before[1]) > 1.0, "concurrent generations never drafted together"
 
 
 # --- Chaos on the real pair: these kill the shared workers, so they stay the last tests of this module. ---

@@ -20,6 +20,8 @@ RPC_LATENCY = Histogram("specmesh_rpc_latency_seconds", "RPC handling time", ["s
                         buckets=LATENCY_BUCKETS)
 VERIFY_BATCH_SIZE = Histogram("specmesh_verify_batch_size", "sessions verified together in one target forward pass",
                               buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32))
+DRAFT_BATCH_SIZE = Histogram("specmesh_draft_batch_size", "sessions drafting together in one draft-model forward pass "
+                             "(one draft step)", buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32))
 DRAFT_TOKENS_PROPOSED = Counter("specmesh_drafter_proposed_tokens", "draft tokens proposed by this drafter")
 
 # --- coordinator ---

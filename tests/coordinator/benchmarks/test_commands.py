@@ -52,6 +52,16 @@ def test_coordinator_bench_concurrency_compares_batching_off_and_on(tmp_path):
     assert "| target-only | 3 |" in table and "| yes |" in table
 
 
+def test_coordinator_bench_concurrency_batches_the_drafter_too(tmp_path):
+    done = run("bench-concurrency", *TINY, "--modes", "2", "--concurrency", "2", "--max-new-tokens", "6",
+               "--max-batch-size", "4", "--out-dir", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    rows = json.loads((tmp_path / "concurrency.json").read_text())["rows"]
+    assert sorted((r["max_batch_size"], r["draft_max_batch_size"]) for r in rows) == [(1, 1), (4, 4)]
+    assert all(r["mean_draft_batch"] >= 1 for r in rows)
+    assert "| 2 | 2 |" in (tmp_path / "concurrency.md").read_text()
+
+
 def test_bench_rejects_unknown_modes():
     done = run("bench", "--modes", "fastest")
     assert done.returncode == 2 and "unknown mode" in done.stderr

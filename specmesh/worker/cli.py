@@ -158,6 +158,7 @@ def serve_main(command: RoleCommand, argv: list[str] | None = None) -> int:
         server.load()
         loading.clear()  # inside the try: a signal from here on is a normal graceful stop
     except LoadAbandoned:
+        loading.clear()
         logging.getLogger(role).warning("stopped while loading the model")
         server.stop(grace=0)
         return 0

@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from coordinator import Coordinator, GenerationOptions
+from coordinator.cancel import CancelToken, GenerationCancelled
 from coordinator.http_api import create_app
 from coordinator.polling import wait_until
 from drafter.service import run_server as run_drafter
@@ -64,6 +65,26 @@ def assert_cancelled_and_idle(api, workers, cancelled_before: float) -> None:
     passes = forward_passes()
     time.sleep(5 * LATENCY_S)  # longer than a round: a generation still running would show up here
     assert forward_passes() == passes
+
+
+def test_cancel_stops_the_call_in_flight_before_its_forward_pass(tiny_target):
+    """The Python API's CancelToken: the Verify in flight is cancelled, and the worker drops it unrun."""
+    with run_verifier(tiny_target, port=0, inject_latency_s=1.0) as verifier, \
+            Coordinator(verifier.address, tokenizer=tiny_target.tokenizer) as c:
+        dropped = sample("specmesh_rpc_requests_total", service="verifier", method="Verify", code="CANCELLED")
+        passes = sample("specmesh_verify_batch_size_count")
+        token = CancelToken()
+        timer = threading.Timer(0.3, token.cancel)  # while the first Verify waits in the worker
+        timer.start()
+        with pytest.raises(GenerationCancelled) as cancelled:
+            c.generate(c.encode_prompt(PROMPT, chat=False), GenerationOptions(max_new_tokens=8, draft_tokens=0),
+                       cancel=token)
+        timer.join()
+        assert cancelled.value.partial.finish_reason == "cancelled" and cancelled.value.partial.token_ids == []
+        poll(lambda: sample("specmesh_rpc_requests_total", service="verifier", method="Verify",
+                            code="CANCELLED") == dropped + 1, "the worker to drop the cancelled call")
+        assert sample("specmesh_verify_batch_size_count") == passes  # no forward pass ran for it
+        assert sessions(verifier) == 0
 
 
 def test_streaming_client_disconnect_cancels_the_generation(coordinator, workers):

@@ -114,6 +114,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="faults stop once this share of the requests was sent (default: 0.8)")
     p.add_argument("--kinds", default="sigkill:0.4,sigterm:0.3,pause:0.3",
                    help="fault kinds and weights (default: sigkill:0.4,sigterm:0.3,pause:0.3)")
+    p.add_argument("--roles", default="verifier,drafter",
+                   help="roles the fault loop may hit; 'verifier' keeps the drafter up, so that every seeded request "
+                   "is compared exactly (default: verifier,drafter)")
     p.add_argument("--pause", type=float, default=4.0, help="seconds a paused worker stays stopped (default: 4)")
     p.add_argument("--spare", default="verifier0",
                    help="worker never killed, only paused, so that one worker lives through the soak; '' for none "
@@ -205,6 +208,8 @@ def ask(client: openai.OpenAI, model: str, spec: RequestSpec, args) -> Answer:
                 piece = choice.delta.content if spec.chat else choice.text
                 answer.text += piece or ""
                 answer.finish = choice.finish_reason or answer.finish
+        if answer.finish is None:
+            answer.error = "the stream ended without a finish reason"
     except (openai.OpenAIError, httpx.HTTPError) as e:
         answer.error = f"{type(e).__name__}: {e}"
     answer.latency_s = time.monotonic() - answer.started_s
@@ -273,7 +278,7 @@ class FaultLoop:
             kind = self.rng.choices(kinds, weights)[0]
             with self.lock:
                 verifiers_running = [s for s in self.slots if s.spec.role == "verifier" and self.running(s)]
-                victims = [s for s in self.slots if self.running(s)
+                victims = [s for s in self.slots if self.running(s) and s.spec.role in self.args.roles.split(",")
                            and not (s.spec.role == "verifier" and len(verifiers_running) < 2)
                            and not (kind != "pause" and s.name == self.args.spare)]
                 if not victims:

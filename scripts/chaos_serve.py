@@ -407,12 +407,11 @@ def soak(args, rng: random.Random, slots: list[Slot], server: Server, started: f
         answers = run_requests(server.url, model, counted, args,
                                lambda t: "after-faults" if t >= recovered.get("at", float("inf")) else "faults")
         stopper.join()
-        load_stopped = time.monotonic()
         drain_s = wait_drained({s.name: (s.address, s.spec.role) for s in slots},
                                timeout_s=args.session_ttl + 60)
         sampler.sample_now()
-    return report(args, specs, free, references, answers, faults, recovered, drain_s, sampler, warm_s,
-                  load_stopped, slots, time.monotonic() - started)
+    return report(args, free, references, answers, faults, recovered, drain_s, sampler, warm_s, slots,
+                  time.monotonic() - started)
 
 
 class CountingSpecs(list):
@@ -429,9 +428,8 @@ class CountingSpecs(list):
         return super().__getitem__(index)
 
 
-def report(args, specs, free: list[Answer], references: dict, answers: list[Answer], faults: FaultLog,
-           recovered: dict, drain_s: float | None, sampler: Sampler, warm_s: float, load_stopped: float,
-           slots: list[Slot], total_s: float) -> int:
+def report(args, free: list[Answer], references: dict, answers: list[Answer], faults: FaultLog, recovered: dict,
+           drain_s: float | None, sampler: Sampler, warm_s: float, slots: list[Slot], total_s: float) -> int:
     # A round whose drafter is down verifies no drafts (k = 0): greedy output stays the same, but sampling then
     # draws from the target directly instead of accepting or rejecting drafts, which follows the same distribution
     # with other random numbers. Seeded requests are therefore compared exactly only when no drafter fault overlapped

@@ -114,6 +114,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="faults stop once this share of the requests was sent (default: 0.8)")
     p.add_argument("--kinds", default="sigkill:0.4,sigterm:0.3,pause:0.3",
                    help="fault kinds and weights (default: sigkill:0.4,sigterm:0.3,pause:0.3)")
+    p.add_argument("--roles", default="verifier,drafter",
+                   help="roles the fault loop may hit; 'verifier' keeps the drafter up, so that every seeded request "
+                   "is compared exactly (default: verifier,drafter)")
     p.add_argument("--pause", type=float, default=4.0, help="seconds a paused worker stays stopped (default: 4)")
     p.add_argument("--spare", default="verifier0",
                    help="worker never killed, only paused, so that one worker lives through the soak; '' for none "
@@ -205,6 +208,8 @@ def ask(client: openai.OpenAI, model: str, spec: RequestSpec, args) -> Answer:
                 piece = choice.delta.content if spec.chat else choice.text
                 answer.text += piece or ""
                 answer.finish = choice.finish_reason or answer.finish
+        if answer.finish is None:
+            answer.error = "the stream ended without a finish reason"
     except (openai.OpenAIError, httpx.HTTPError) as e:
         answer.error = f"{type(e).__name__}: {e}"
     answer.latency_s = time.monotonic() - answer.started_s
@@ -273,7 +278,7 @@ class FaultLoop:
             kind = self.rng.choices(kinds, weights)[0]
             with self.lock:
                 verifiers_running = [s for s in self.slots if s.spec.role == "verifier" and self.running(s)]
-                victims = [s for s in self.slots if self.running(s)
+                victims = [s for s in self.slots if self.running(s) and s.spec.role in self.args.roles.split(",")
                            and not (s.spec.role == "verifier" and len(verifiers_running) < 2)
                            and not (kind != "pause" and s.name == self.args.spare)]
                 if not victims:
@@ -402,12 +407,11 @@ def soak(args, rng: random.Random, slots: list[Slot], server: Server, started: f
         answers = run_requests(server.url, model, counted, args,
                                lambda t: "after-faults" if t >= recovered.get("at", float("inf")) else "faults")
         stopper.join()
-        load_stopped = time.monotonic()
         drain_s = wait_drained({s.name: (s.address, s.spec.role) for s in slots},
                                timeout_s=args.session_ttl + 60)
         sampler.sample_now()
-    return report(args, specs, free, references, answers, faults, recovered, drain_s, sampler, warm_s,
-                  load_stopped, slots, time.monotonic() - started)
+    return report(args, free, references, answers, faults, recovered, drain_s, sampler, warm_s, slots,
+                  time.monotonic() - started)
 
 
 class CountingSpecs(list):
@@ -424,9 +428,8 @@ class CountingSpecs(list):
         return super().__getitem__(index)
 
 
-def report(args, specs, free: list[Answer], references: dict, answers: list[Answer], faults: FaultLog,
-           recovered: dict, drain_s: float | None, sampler: Sampler, warm_s: float, load_stopped: float,
-           slots: list[Slot], total_s: float) -> int:
+def report(args, free: list[Answer], references: dict, answers: list[Answer], faults: FaultLog, recovered: dict,
+           drain_s: float | None, sampler: Sampler, warm_s: float, slots: list[Slot], total_s: float) -> int:
     # A round whose drafter is down verifies no drafts (k = 0): greedy output stays the same, but sampling then
     # draws from the target directly instead of accepting or rejecting drafts, which follows the same distribution
     # with other random numbers. Seeded requests are therefore compared exactly only when no drafter fault overlapped

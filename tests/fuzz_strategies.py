@@ -75,8 +75,10 @@ JSON_VALUE = st.recursive(JSON_LEAF, lambda inner: st.one_of(st.lists(inner, max
                                                              st.dictionaries(st.text(max_size=8), inner, max_size=4)),
                           max_leaves=10)
 TEXT = st.text(max_size=40)
-SAMPLING_FIELDS = {"max_tokens": st.integers(min_value=1, max_value=6), "temperature": st.floats(0, 2, allow_subnormal=False),
-                   "top_p": st.floats(0.01, 1, allow_subnormal=False), "top_k": st.integers(0, 50), "seed": st.integers(0, 2**64 - 1),
+SAMPLING_FIELDS = {"max_tokens": st.integers(min_value=1, max_value=6),
+                   "temperature": st.floats(0, 2, allow_subnormal=False),
+                   "top_p": st.floats(0.01, 1, allow_subnormal=False), "top_k": st.integers(0, 50),
+                   "seed": st.integers(0, 2**64 - 1),
                    "stop": st.one_of(st.text(max_size=4), st.lists(st.text(max_size=4), max_size=3)),
                    "n": st.integers(1, 2), "stream": st.booleans(),
                    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()})}

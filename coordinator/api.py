@@ -42,8 +42,8 @@ MAX_NEW_TOKENS = 1 << 20  # far beyond any model's context; the verifier's conte
 
 
 class TokenizerMismatch(WorkerError):
-    """Drafter and verifier share a tokenizer but not a vocabulary width: the drafter could propose ids the verifier
-    has no logits for."""
+    """A drafter the coordinator cannot pair with the verifier: the same tokenizer with a wider vocabulary (it could
+    propose ids the verifier has no logits for), or another tokenizer that cannot be loaded here to translate."""
 
 
 class GenerationFailed(RuntimeError):
@@ -149,7 +149,7 @@ class Coordinator:
             self.translator = None
             if self.drafter_info is not None and not shared:
                 self.translator = TokenTranslator(self.tokenizer, drafter_tokenizer if drafter_tokenizer is not None
-                                                  else load_tokenizer(self.drafter_info.model_name))
+                                                  else self._drafter_tokenizer())
         except BaseException:
             self.close()
             raise
@@ -163,8 +163,8 @@ class Coordinator:
         self.draft_limit = min(self.verifier_info.max_draft_tokens,
                                self.drafter_info.max_draft_tokens if self.drafter_info is not None else 1 << 30)
         self.context_limit = self.verifier_info.max_context_length
-        # Which model runtime each side runs (transformers, llamacpp; "" for a model-free drafter), for the stats.
-        # and whether the drafter's token ids are the target's ("shared") or translated through text ("translated").
+        # Which model runtime each side runs (transformers, llamacpp; "" for a model-free drafter), for the stats, and
+        # whether the drafter's token ids are the target's ("shared") or translated through text ("translated").
         self.engines = {"verifier_engine": self.verifier_info.engine,
                         **({"drafter_engine": self.drafter_info.engine,
                             "draft_tokenizer": "shared" if self.translator is None else "translated"}
@@ -181,6 +181,15 @@ class Coordinator:
                             ["role", "endpoint"], [([e.role, e.address], int(e.serving)) for e in endpoints])
         yield metrics.gauge("specmesh_endpoint_sessions", "generations pinned to the endpoint", ["role", "endpoint"],
                             [([e.role, e.address], e.sessions) for e in endpoints])
+
+    def _drafter_tokenizer(self):
+        name = self.drafter_info.model_name
+        try:
+            return load_tokenizer(name)
+        except Exception as e:  # an unknown spec, a path only the drafter's host has, no network
+            raise TokenizerMismatch(
+                f"drafter model {name!r} uses another tokenizer than verifier model {self.verifier_info.model_name!r}; "
+                f"translating its drafts needs that tokenizer here, and loading it failed: {e}") from e
 
     @staticmethod
     def _info(pool: WorkerPool, timeout_s: float, unreachable_timeout_s: float | None):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from coordinator import Coordinator, GenerationOptions
+from coordinator.api import TokenizerMismatch
 from drafter.service import run_server as run_drafter
 from tests.helpers import reference_greedy
 from verifier.service import run_server as run_verifier
@@ -63,3 +64,12 @@ def test_seeded_sampling_repeats_and_seeds_differ(verifier, other_drafter, tiny_
     assert runs[0].token_ids == runs[1].token_ids
     assert runs[0].token_ids != runs[2].token_ids
     assert runs[0].stats["drafted_tokens"] > 0 and runs[0].stats["degraded_rounds"] == 0
+
+
+def test_a_drafter_tokenizer_that_cannot_load_is_a_clear_error(verifier, other_drafter, tiny_target, monkeypatch):
+    def unavailable(spec, progress=True):
+        raise OSError(f"{spec}: not found")
+    monkeypatch.setattr("coordinator.api.load_tokenizer", unavailable)
+    with pytest.raises(TokenizerMismatch) as error:
+        Coordinator(verifier=verifier.address, drafter=other_drafter.address, tokenizer=tiny_target.tokenizer)
+    assert "tiny-random-llama" in str(error.value) and "loading it failed" in str(error.value)

@@ -13,4 +13,7 @@
     analysis.py            speedups, divergence, per-class summaries, the analytic speedup bound
     reports.py             markdown tables and the PNG plot
     concurrency.py         the bench-concurrency command: aggregate tokens/s with batching off and on
+    split.py               bench --topology split: workers on namespaced "hosts", pinned cores, link delays swept
+    netns.py               network namespaces on a bridge, netem link delays (also the multi-host chaos test's)
+    delay_relay.py         a TCP relay that delays every byte: link latency where the kernel has no netem
 """

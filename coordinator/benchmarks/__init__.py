@@ -15,4 +15,7 @@
     concurrency.py         the bench-concurrency command: aggregate tokens/s with batching off and on
     soak.py                leak sampling for long runs (scripts/chaos.py --serve, scripts/fuzz.py): RSS, fds, threads,
                            worker sessions, and the drain of sessions after the load stops
+    split.py               bench --topology split: workers on namespaced "hosts", pinned cores, link delays swept
+    netns.py               network namespaces on a bridge, netem link delays (also the multi-host chaos test's)
+    delay_relay.py         a TCP relay that delays every byte: link latency where the kernel has no netem
 """

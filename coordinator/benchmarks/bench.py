@@ -149,12 +149,16 @@ def rerender(args: argparse.Namespace) -> int:
     return 0
 
 
+def write_json(args: argparse.Namespace, report: dict) -> None:
+    if args.json_path:
+        args.json_path.write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n")
+
+
 def write_reports(args: argparse.Namespace, report: dict) -> None:
     if report.get("topology") == "split":
         text = split_markdown(report)
         print("\n" + text)
-        if args.json_path:
-            args.json_path.write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n")
+        write_json(args, report)
         if args.markdown:
             args.markdown.write_text(text)
         if args.plot and split_plot(report, args.plot):
@@ -214,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"bench: note: skipping {', '.join(skipped)}: {next(iter(skipped.values()))}", file=sys.stderr)
     if args.topology == "split":
         try:
-            report = run_split(args, modes, classes, skipped)
+            report = run_split(args, modes, classes, skipped, on_progress=lambda so_far: write_json(args, so_far))
         except (SplitUnavailable, MeshUnavailable) as e:
             print(f"bench: error: the split topology cannot run here: {e}", file=sys.stderr)
             return UNAVAILABLE

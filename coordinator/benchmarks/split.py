@@ -20,11 +20,13 @@ import argparse
 import json
 import os
 import queue
+import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from coordinator.benchmarks.analysis import add_relative, summarize
@@ -133,12 +135,18 @@ def check_cpus(args: argparse.Namespace) -> None:
         raise ValueError("--drafter-cpu and --verifier-cpu must differ: each worker has a core of its own")
 
 
-def run_split(args: argparse.Namespace, modes: list[Mode], classes: list[str], skipped: dict) -> dict:
-    """Every delay of the sweep, baselines once; returns the split report. Raises SplitUnavailable with the reason
-    when namespaces or the asked-for delay method cannot be had here."""
+def run_split(args: argparse.Namespace, modes: list[Mode], classes: list[str], skipped: dict,
+              on_progress: Callable[[dict], None] | None = None) -> dict:
+    """Every delay of the sweep, baselines once; returns the split report, and hands the report so far to
+    `on_progress` after each delay. Raises SplitUnavailable with the reason when namespaces or the asked-for delay
+    method cannot be had here."""
     reason = unavailable_reason()
     if reason:
         raise SplitUnavailable(reason)
+    if threading.current_thread() is threading.main_thread():
+        # SIGTERM (`timeout`, a scheduler) must unwind like Ctrl-C does, so that the namespaces and the workers in
+        # them are removed; Python's default would end the process on the spot.
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     threads = args.threads[0] if args.threads else 1
     remove_stale_namespaces()
     started = time.time()
@@ -194,18 +202,27 @@ def run_split(args: argparse.Namespace, modes: list[Mode], classes: list[str], s
                 baseline_rows = [r for r in sub["rows"] if r["kind"] != "specmesh"]
             runs.append({"one_way_delay_ms": delay, "rtt_ms": 2 * delay, "rows": rows,
                          "measured_rtt_ms": (sub["info"].get("rtt_ms") or {}).get("verifier")})
+            if on_progress is not None:  # what is measured so far survives a run cut short
+                on_progress(split_report(args, modes, classes, skipped, first, runs, baseline_rows, method, threads,
+                                         started))
+    return split_report(args, modes, classes, skipped, first, runs, baseline_rows, method, threads, started)
 
+
+def split_report(args: argparse.Namespace, modes: list[Mode], classes: list[str], skipped: dict, first: dict,
+                 runs: list[dict], baseline_rows: list[dict], method: str, threads: int, started: float) -> dict:
+    """The report of the delays run so far: each delay's rows with the baselines' for speedups and summaries."""
+    done = []
     for run in runs:
-        rows = run["rows"] + [dict(r) for r in baseline_rows]
+        rows = [dict(r) for r in run["rows"]] + [dict(r) for r in baseline_rows]
         add_relative(rows)
-        run["rows"] = [r for r in rows if r["kind"] == "specmesh"]
-        run["summary"] = summarize(rows, modes, classes)
+        done.append({**run, "rows": [r for r in rows if r["kind"] == "specmesh"],
+                     "summary": summarize(rows, modes, classes)})
     config = dict(first["config"], modes=[m.name for m in modes], topology="split", delays_ms=args.delays_ms,
                   link_delay=method, drafter_cpu=args.drafter_cpu, verifier_cpu=args.verifier_cpu, threads=threads,
                   wall_s=round(time.time() - started, 1))
     return {"topology": "split", "info": first["info"], "config": config, "skipped_modes": skipped,
             "prompts": first["prompts"], "prompt_counts": first["prompt_counts"], "baseline_rows": baseline_rows,
-            "runs": runs}
+            "runs": done}
 
 
 def link_addresses(mesh: Mesh, method: str, delay_ms: float, tmp: str) -> dict:

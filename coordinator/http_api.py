@@ -23,7 +23,6 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field, field_validator
-from starlette.concurrency import run_in_threadpool
 
 from coordinator.admission import RETRY_AFTER_S, Admission, AdmissionConfig, Refused
 from coordinator.api import Coordinator, GenerationFailed, GenerationOptions, GenerationResult

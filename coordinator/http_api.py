@@ -327,13 +327,14 @@ class CompletionsAPI:
             return error(400, "exactly one prompt per request is supported", param="prompt")
         if not prompts[0]:
             return error(400, "the prompt is empty", param="prompt")
-        return await self.respond(request, self.coordinator.encode_prompt(prompts[0], chat=False), body,
-                                  body.max_tokens, chat=False)
+        # Tokenizing a long prompt takes a while: off the event loop, so other requests are not stalled meanwhile.
+        prompt_ids = await asyncio.to_thread(self.coordinator.encode_prompt, prompts[0], chat=False)
+        return await self.respond(request, prompt_ids, body, body.max_tokens, chat=False)
 
     async def chat_completions(self, body: ChatRequest, request: Request) -> Any:
         messages = [m.model_dump() for m in body.messages]
-        return await self.respond(request, self.coordinator.encode_messages(messages), body,
-                                  body.max_completion_tokens or body.max_tokens, chat=True)
+        prompt_ids = await asyncio.to_thread(self.coordinator.encode_messages, messages)
+        return await self.respond(request, prompt_ids, body, body.max_completion_tokens or body.max_tokens, chat=True)
 
     def options_for(self, body: _Common, max_tokens: int | None, chat: bool, index: int) -> GenerationOptions:
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())

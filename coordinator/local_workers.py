@@ -126,18 +126,26 @@ class LocalWorker:
 
 
 @contextmanager
-def local_workers(specs: list[LocalWorkerSpec], progress: bool = True,
-                  load_timeout_s: float = 1800.0) -> Iterator[dict[str, str]]:
-    """Start one subprocess per spec, wait until every one reports SERVING, yield {role: address}; stop them after."""
+def local_workers(specs: list[LocalWorkerSpec], progress: bool = True, load_timeout_s: float = 1800.0,
+                  one_at_a_time: bool = False) -> Iterator[dict[str, str]]:
+    """Start one subprocess per spec, wait until every one reports SERVING, yield {role: address}; stop them after.
+
+    `one_at_a_time`: start each worker only once the previous one is SERVING. Slower to start, but each worker's
+    warm-up cost probe (the cost policy's prior) then runs on a quiet machine instead of beside a neighbour that is
+    still loading its model, which made drafting look unprofitable (benchmarks use it)."""
     with ExitStack() as stack:
         log_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="specmesh-"))
         workers = []
-        for spec in specs:
+
+        def start(spec: LocalWorkerSpec) -> LocalWorker:
             worker = LocalWorker(spec, log_dir)
             stack.callback(worker.stop)
             workers.append(worker)
+            return worker
+        # One at a time: a generator, so each worker starts only when the loop below has waited for the previous one.
+        to_wait = (start(spec) for spec in specs) if one_at_a_time else [start(spec) for spec in specs]
         started = time.monotonic()
-        for worker in workers:
+        for worker in to_wait:
             def show(worker=worker) -> None:
                 if progress:
                     print(f"\rloading {worker.spec.role} {worker.spec.model} ... {time.monotonic() - started:.0f}s",

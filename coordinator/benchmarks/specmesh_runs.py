@@ -47,7 +47,8 @@ def run_specmesh(args, modes: list[Mode], prompts: list[dict], log) -> tuple[dic
             specs.append(LocalWorkerSpec("verifier", args.target_model, engine=engines["target"], **common))
         if need_model and not args.drafter:
             specs.append(LocalWorkerSpec("drafter", args.draft_model, engine=engines["draft"], **common))
-        addresses = dict(stack.enter_context(local_workers(specs))) if specs else {}
+        # one at a time: each worker's warm-up cost probe (the cost policy's prior) runs on a quiet machine
+        addresses = dict(stack.enter_context(local_workers(specs, one_at_a_time=True))) if specs else {}
         verifier = args.verifier or addresses["verifier"]
         drafter = args.drafter or addresses.get("drafter")
         ngram_drafter = args.ngram_drafter

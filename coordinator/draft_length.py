@@ -19,8 +19,10 @@ without drafting, so a round costs max(verify, bet) plus the ordinary draft only
 T(k) = max(rtt_v + v(k), rtt_d + (k+1)*c) + (1 - a^k * h) * (rtt_d + k*c), h the bet's measured hit rate on its
 first token (the acceptance until measured). A bet that outlasts the verify and rarely wins costs more than it saves
 (the next draft waits for it): the cost policy then tells the loop not to bet (`bet_pays`), and the round costs what
-an unpipelined one does. With a drafter on its own host the bet is free and long drafts pay more; on shared cores the
-bet slows the verify, which the workers' costs cannot see: pipelining is opt-in.
+an unpipelined one does. With a drafter on its own host the bet is free and long drafts pay more. Where drafter and
+verifier share hardware (cores, memory bandwidth), a verify runs slower while the bet is drafted; the workers' idle
+costs cannot show that, so the policy measures it: how much slower this generation's verifies ran with a bet than
+without (against the workers' costs), after MIN_BET_ROUNDS bets, and counts the verify that much longer when betting.
 
 Policies are pure functions of the round history, so they are unit-testable and keep no state of their own.
 """
@@ -40,6 +42,7 @@ PROBE_EVERY = 8  # with k = 0 chosen, one round in this many drafts `minimum` to
 PROBE_RARELY = 64
 PRIOR_ACCEPTANCE = 0.7  # per-token acceptance assumed before any round has measured it
 MIN_DRAFTED_ROUNDS = 3  # below this the cost model has too little data and the heuristic decides
+MIN_BET_ROUNDS = 3  # pipelined rounds measured before their verifies' slowdown counts
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,7 @@ class CostEstimate:
     verify_round_trip_s: float = 0.0  # the same for one Verify call
     pipelined: bool = False  # the next round is drafted during this round's verify (the bet)
     bet_hit: float | None = None  # P(the bet's first token is the target's own | every draft accepted); None: a
+    bet_slowdown: float = 1.0  # how much longer a verify takes while the bet is drafted (shared hardware: > 1)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.acceptance <= 1.0 or (self.bet_hit is not None and not 0.0 <= self.bet_hit <= 1.0):
@@ -78,6 +82,8 @@ class CostEstimate:
         if min(self.draft_s_per_token, self.verify_s_base, self.verify_s_per_token, self.draft_round_trip_s,
                self.verify_round_trip_s) < 0:
             raise ValueError(f"costs must be >= 0: {self}")
+        if self.bet_slowdown < 1.0:
+            raise ValueError(f"bet_slowdown must be >= 1: {self}")
 
     def expected_tokens(self, k: int) -> float:
         """Tokens a round with k drafts commits on average: accepted prefix + the target's own token."""
@@ -91,7 +97,7 @@ class CostEstimate:
         verify, draft = self._verify_and_draft_s(k)
         bet = self.draft_round_trip_s + (k + 1) * self.draft_s_per_token
         hit = self.acceptance if self.bet_hit is None else self.bet_hit
-        return max(verify, bet) + (1.0 - self.acceptance ** k * hit) * draft
+        return max(verify * self.bet_slowdown, bet) + (1.0 - self.acceptance ** k * hit) * draft
 
     def bet_pays(self, k: int) -> bool:
         """Whether drafting the next round during this round's verify saves time on average (pipelined only)."""
@@ -133,6 +139,21 @@ def measured_bet_hit(rounds: Sequence[RoundRecord]) -> float | None:
     target's own), over recent such rounds; None without any."""
     bets = [r.bet_won for r in rounds[1:] if r.bet_won is not None and r.drafted and r.accepted == r.drafted][-WINDOW:]
     return sum(bets) / len(bets) if bets else None
+
+
+def measured_bet_slowdown(rounds: Sequence[RoundRecord], costs: CostEstimate) -> float:
+    """How much slower verifies ran with a bet drafted alongside than without, each against what `costs` predict for
+    its k (>= 1; 1 until MIN_BET_ROUNDS recent rounds had a bet). Without rounds lacking a bet, the prediction itself
+    is the reference."""
+    def ratio(selected: list[RoundRecord]) -> float:
+        predicted = sum(costs.verify_round_trip_s + costs.verify_s_base + costs.verify_s_per_token * r.drafted
+                        for r in selected)
+        return sum(r.verify_s for r in selected) / predicted if predicted > 0 else 1.0
+    betting = [r for r in rounds[1:] if r.bet_won is not None][-WINDOW:]
+    if len(betting) < MIN_BET_ROUNDS:
+        return 1.0
+    plain = [r for r in rounds[1:] if r.bet_won is None][-WINDOW:]
+    return max(1.0, ratio(betting) / (ratio(plain) if plain else 1.0))
 
 
 def estimate_costs(rounds: Sequence[RoundRecord]) -> CostEstimate | None:
@@ -226,12 +247,14 @@ class CostPolicy:
         return best if best >= self.length.minimum else 0
 
     def _from_prior(self, rounds: Sequence[RoundRecord]) -> CostEstimate | None:
-        """The workers' measured costs, with this generation's acceptance (and bet hit rate) once it has drafted.
-        Round timings already hold the round trips and the bet's hiding, so only the prior models them."""
+        """The workers' measured costs, with this generation's acceptance (and, pipelined, the bet's hit rate and
+        the verify's slowdown under a bet) once it has drafted. Round timings already hold the round trips and the
+        bet's hiding, so only the prior models them."""
         if self.length.prior is None:
             return None
         acceptance = measured_acceptance(rounds)
-        prior = replace(self.length.prior, pipelined=self.length.pipelined, bet_hit=measured_bet_hit(rounds))
+        prior = replace(self.length.prior, pipelined=self.length.pipelined, bet_hit=measured_bet_hit(rounds),
+                        bet_slowdown=measured_bet_slowdown(rounds, self.length.prior))
         return prior if acceptance is None else replace(prior, acceptance=acceptance)
 
     def bet_pays(self, k: int, rounds: Sequence[RoundRecord]) -> bool:

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from coordinator.api import cost_prior, round_trip_s
 from coordinator.draft_length import (POLICIES, PRIOR_ACCEPTANCE, PROBE_EVERY, PROBE_RARELY, CostEstimate,
-                                      DraftLength, RoundRecord, estimate_costs, measured_bet_hit)
+                                      DraftLength, RoundRecord, estimate_costs, measured_bet_hit,
+                                      measured_bet_slowdown)
 
 
 def rounds_from(pattern: list[tuple[int, int]], draft_s_per_token: float, verify_base: float,
@@ -208,3 +209,21 @@ def test_a_bet_that_costs_more_than_it_saves_is_not_placed():
     assert DraftLength(policy="cost", prior=CostEstimate(0.9, 0.1, 1.0, 0.0), pipelined=True).bet_pays(2, [])
     assert DraftLength(policy="heuristic", prior=prior, pipelined=True).bet_pays(2, []), "no costs: always bet"
     assert not CostEstimate(0.9, 0.1, 1.0, 0.0).bet_pays(2), "not pipelined: no bet"
+
+
+def test_a_bet_that_slows_the_verify_stops_being_placed():
+    """Shared hardware: verifies ran 2.4x slower while a bet was drafted than without one; measured over three bets,
+    that makes the bet cost more than it saves."""
+    prior = CostEstimate(0.9, 0.2, 1.0, 0.1)
+    length = DraftLength(policy="cost", prior=prior, pipelined=True)
+    plain = [RoundRecord(4, 4, 0.8, 1.4)] * 3
+    slowed = [RoundRecord(4, 4, 0.1, 1.4 * 2.4, bet_won=True)] * 3
+    prefill = [RoundRecord(4, 4, 9.0, 9.0)]
+    assert measured_bet_slowdown(prefill + plain + slowed, prior) == pytest.approx(2.4)
+    assert measured_bet_slowdown(prefill + plain + slowed[:2], prior) == 1.0, "too few bets measured yet"
+    assert length.bet_pays(4, prefill + plain), "the bet is free as far as anyone knows"
+    assert not length.bet_pays(4, prefill + plain + slowed)
+    free = [RoundRecord(4, 4, 0.1, 1.4, bet_won=True)] * 3
+    assert length.bet_pays(4, prefill + plain + free)
+    with pytest.raises(ValueError, match="bet_slowdown"):
+        CostEstimate(0.9, 0.2, 1.0, 0.1, bet_slowdown=0.5)

@@ -169,8 +169,8 @@ def run_split(args: argparse.Namespace, modes: list[Mode], classes: list[str], s
             log_path = f"{tmp}/{role}.log"
             process = mesh.popen(role, worker_argv(args, role, mesh.address(role), threads), log_path, cpus={cpu},
                                  stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)
-            workers[role] = StartedWorker(process, role, log_path)
-        for worker in workers.values():
+            workers[role] = worker = StartedWorker(process, role, log_path)
+            # One at a time, so that each warm-up cost probe (the cost policy's prior) runs on a quiet machine.
             worker.wait_line("READY", STARTUP_TIMEOUT_S)
             print(f"bench: {worker.role} SERVING in its namespace", file=sys.stderr, flush=True)
 

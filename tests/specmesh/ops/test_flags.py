@@ -47,7 +47,7 @@ def written_forms(value) -> list[str]:
     if isinstance(value, float):
         return [str(value), f"{value:g}"]
     if isinstance(value, (list, tuple)):
-        return [",".join(map(str, value))]
+        return [",".join(map(str, value)), ",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in value)]
     return [str(value)]
 
 

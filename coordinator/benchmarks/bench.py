@@ -26,7 +26,7 @@ rate, k = mean draft length, c = draft cost per drafted token and v(k) = verify 
 target-only round (steady state: the first round of each generation, which holds the prefill, is left out).
 
     coordinator bench --classes code,quote --limit-prompts 2 --max-new-tokens 64 --out-dir bench-out
-    coordinator bench --topology split --delays-ms 0,1,5,20 --limit-prompts code=2 --out-dir split-out
+    coordinator bench --topology split --delays-ms 0,1,5,20 --classes code --limit-prompts 2 --out-dir split-out
     python scripts/bench.py --modes target-only,adaptive,4,ngram --limit-prompts code=2,prose=1,quote=1
 
 `--topology split` runs drafter, verifier and coordinator on three "hosts" (network namespaces, each worker pinned to

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import argparse
 
-from drafter.config import METHODS, DraftBatchingConfig, DrafterConfig
+from drafter.config import METHODS, BatchingConfig, DrafterConfig
 from drafter.ngram import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM
 from drafter.service import DrafterRole
 from specmesh.runtime.catalog import DEFAULT_DRAFT_MODEL
 from specmesh.worker.cli import RoleCommand, serve_main
 from specmesh.worker.config import ModelConfig
 
-BATCHING = DraftBatchingConfig()
+BATCHING = BatchingConfig()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def make_role(args: argparse.Namespace, model: ModelConfig) -> DrafterRole:
     return DrafterRole(DrafterConfig(model, method=args.method, vocab_size=args.vocab_size, ngram_min=args.ngram_min,
                                      ngram_max=args.ngram_max,
-                                     batching=DraftBatchingConfig(max_batch_size=args.max_batch_size,
+                                     batching=BatchingConfig(max_batch_size=args.max_batch_size,
                                                                   max_batch_wait_s=args.max_batch_wait)))
 
 

@@ -6,24 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from drafter.ngram import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, NgramConfig
-from specmesh.worker.config import ModelConfig
+from specmesh.worker.config import BatchingConfig, ModelConfig
 
 METHODS = ("model", "ngram")  # --method: a draft model (drafter/engine.py), prompt lookup (drafter/ngram.py)
-
-
-@dataclass(frozen=True)
-class DraftBatchingConfig:
-    # Propose calls of different sessions take their draft steps together, one forward pass of up to this many
-    # sessions per step (1: never). The same knobs as the verifier's BatchingConfig (verifier/config.py).
-    max_batch_size: int = 8
-    # How long a new batch may wait for recently answered sessions' next calls to join it (0: never waits).
-    max_batch_wait_s: float = 0.02
-
-    def __post_init__(self) -> None:
-        if self.max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
-        if not 0 <= self.max_batch_wait_s <= 10:
-            raise ValueError(f"max_batch_wait_s must be in 0..10 seconds, got {self.max_batch_wait_s}")
 
 
 @dataclass(frozen=True)
@@ -33,7 +18,7 @@ class DrafterConfig:
     vocab_size: int | None = None  # ngram: logits width reported (default: the model config's, else the tokenizer's)
     ngram_min: int | None = None  # ngram: shortest n-gram matched (default: DEFAULT_MIN_NGRAM)
     ngram_max: int | None = None  # ngram: longest n-gram matched (default: DEFAULT_MAX_NGRAM)
-    batching: DraftBatchingConfig = field(default_factory=DraftBatchingConfig)  # model: cross-session draft steps
+    batching: BatchingConfig = field(default_factory=BatchingConfig)  # model: cross-session draft steps
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:

@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from drafter.config import DraftBatchingConfig
+from drafter.config import BatchingConfig
 from drafter.proposer import Proposal
 from specmesh.decoding.sampling import SamplingParams, SparseDist, draft_sample
 from specmesh.ops import metrics
@@ -67,7 +67,7 @@ class DraftEngine:
     """
 
     def __init__(self, loaded: ModelEngine, limits: SessionLimits = SessionLimits(),
-                 batching: DraftBatchingConfig = DraftBatchingConfig()) -> None:
+                 batching: BatchingConfig = BatchingConfig()) -> None:
         self.loaded = loaded = as_engine(loaded)  # the model engine: transformers or llama.cpp
         self.description = ModelDescription.of(loaded)
         self.sessions = SessionStore(limits, kv_sessions(loaded))

@@ -8,7 +8,7 @@ from contextlib import contextmanager
 
 import grpc
 
-from drafter.config import DraftBatchingConfig, DrafterConfig
+from drafter.config import BatchingConfig, DrafterConfig
 from drafter.engine import DraftEngine
 from drafter.ngram import NgramEngine, describe_loaded, describe_target
 from drafter.proposer import Proposer
@@ -97,10 +97,10 @@ def run_server(model: str | LoadedModel, port: int = 0, method: str = "model", v
     With method="ngram", `model` names (or is) the target whose tokenizer the drafter uses; no weights are loaded."""
     preloaded = model if isinstance(model, LoadedModel) else None
     server_options, model_options, batching, faults = split_options(options, ServerConfig, ModelConfig,
-                                                                    DraftBatchingConfig, FaultInjection)
+                                                                    BatchingConfig, FaultInjection)
     config = DrafterConfig(ModelConfig(preloaded.name if preloaded else model, **model_options), method=method,
                            vocab_size=vocab_size, ngram_min=ngram_min, ngram_max=ngram_max,
-                           batching=DraftBatchingConfig(**batching))
+                           batching=BatchingConfig(**batching))
     server = WorkerServer(DrafterRole(config, preloaded), ServerConfig(port=port, **server_options),
                           FaultInjection(**faults))
     with serving(server) as server:

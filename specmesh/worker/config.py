@@ -107,3 +107,18 @@ def split_options(options: Mapping[str, Any], *configs: type) -> list[dict[str, 
             raise TypeError(f"unexpected option {name!r}")
         parts[owner][name] = value
     return parts
+
+
+@dataclass(frozen=True)
+class BatchingConfig:
+    # Calls of different sessions (the verifier's Verify, the drafter's draft steps) run together as one forward pass
+    # of up to this many sessions (1: never).
+    max_batch_size: int = 8
+    # How long a pass may wait for recently answered sessions' next calls to join it (0: never waits).
+    max_batch_wait_s: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if not 0 <= self.max_batch_wait_s <= 10:
+            raise ValueError(f"max_batch_wait_s must be in 0..10 seconds, got {self.max_batch_wait_s}")

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from coordinator import Coordinator, GenerationOptions
-from drafter.config import DraftBatchingConfig, DrafterConfig
+from drafter.config import BatchingConfig, DrafterConfig
 from drafter.engine import DraftEngine
 from drafter.service import run_server as run_drafter
 from specmesh.decoding.sampling import SamplingParams
@@ -37,7 +37,7 @@ def draft_passes(size: int) -> float:
 
 
 def engine(model, max_batch_size: int, **batching) -> DraftEngine:
-    return DraftEngine(model, batching=DraftBatchingConfig(max_batch_size=max_batch_size, **batching))
+    return DraftEngine(model, batching=BatchingConfig(max_batch_size=max_batch_size, **batching))
 
 
 class Client:
@@ -180,10 +180,10 @@ def test_calls_of_one_session_run_in_order_not_together(tiny_target):
 
 def test_batching_config_is_validated():
     with pytest.raises(ValueError, match="max_batch_size"):
-        DraftBatchingConfig(max_batch_size=0)
+        BatchingConfig(max_batch_size=0)
     with pytest.raises(ValueError, match="max_batch_wait_s"):
-        DraftBatchingConfig(max_batch_wait_s=-1)
-    assert DrafterConfig(ModelConfig("tiny-random-qwen2")).batching == DraftBatchingConfig()
+        BatchingConfig(max_batch_wait_s=-1)
+    assert DrafterConfig(ModelConfig("tiny-random-qwen2")).batching == BatchingConfig()
 
 
 def test_concurrent_generations_over_grpc_equal_unbatched_and_reference(tiny_target, tiny_unrelated_draft):

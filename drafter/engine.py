@@ -27,6 +27,7 @@ from specmesh.runtime.batched_forward import MAX_BATCHED_FRESH_TOKENS, fresh_len
 from specmesh.runtime.engine import ModelEngine, as_engine
 from specmesh.wire.contract import Cancelled
 from specmesh.wire.history import EMPTY_HASH, TokenHistory
+from specmesh.worker.batch_window import wait_for_active_sessions
 from specmesh.worker.cost_probe import PROBE_DRAFTS, fastest_runs, probe_context
 from specmesh.worker.role import ModelDescription
 from specmesh.worker.session_store import Session, SessionLimits, SessionStore, kv_sessions
@@ -162,22 +163,9 @@ class DraftEngine:
                 self._sync(request)
 
     def _wait_for_active_sessions(self) -> None:
-        """Called holding the queue lock, before a new batch: give sessions answered within the last few batches up to
-        max_batch_wait_s to queue their next call, so that they start together instead of one step apart."""
-        if self.max_batch_size == 1 or self.max_batch_wait_s == 0:
-            return
-        now = time.monotonic()
-        horizon = max(1.0, 3 * self._last_busy_s)
-        for session_id in [s for s, t in self._answered_at.items() if now - t > horizon]:
-            del self._answered_at[session_id]
-        deadline = now + self.max_batch_wait_s
-        while True:
-            queued = {r.session_id for r in self._queue}
-            expected = min(self.max_batch_size, len(queued | self._answered_at.keys()))
-            remaining = deadline - time.monotonic()
-            if len(queued) >= expected or remaining <= 0:
-                return
-            self._arrived.wait(remaining)
+        """Called holding the queue lock, before a new batch (specmesh/worker/batch_window.py)."""
+        wait_for_active_sessions(self._arrived, lambda: (r.session_id for r in self._queue), self._answered_at,
+                                 self.max_batch_size, self.max_batch_wait_s, self._last_busy_s)
 
     def _sync(self, request: _Request) -> None:
         """Bring the request's session up to the client's history; a request that cannot be synced fails alone."""

@@ -107,8 +107,8 @@ class DraftEngine:
                 self._stepping = True
             try:
                 with self._model_lock:
-                    while not request.done:
-                        self._step()
+                    # Every step's torch work (forward pass and sampling) on the model's thread, none on this one.
+                    self.loaded.run_on_model_thread(self._step_until_done, request)
             finally:
                 with self._turn:
                     self._stepping = False
@@ -119,6 +119,10 @@ class DraftEngine:
         return request.proposal
 
     # ------------------------------------------------------------------ one step for every drafting row
+
+    def _step_until_done(self, request: _Request) -> None:
+        while not request.done:
+            self._step()
 
     def _step(self) -> None:
         """Called holding the model lock: admit queued calls, then draft one token for every row (a long prompt's

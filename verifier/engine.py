@@ -84,7 +84,8 @@ class VerifyEngine:
         while not request.done:
             with self._model_lock:
                 if not request.done:  # else another caller ran it while we waited for the model
-                    self._run_batch(self._take_batch())
+                    # Syncing, the forward pass and acceptance all on the model's thread: no torch work on this one.
+                    self.loaded.run_on_model_thread(self._run_batch, self._take_batch())
         if request.error is not None:
             raise request.error
         assert request.outcome is not None
@@ -190,7 +191,7 @@ class VerifyEngine:
             pair = [_Request(f"warm-up-{i}", 0, EMPTY_HASH, [0, 1, 2 + i], [4], [], SamplingParams(), 0)
                     for i in range(2)]
             with self._model_lock:
-                self._run_batch(pair)
+                self.loaded.run_on_model_thread(self._run_batch, pair)
             for request in pair:
                 if request.error is not None:
                     raise request.error

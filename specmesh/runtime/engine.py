@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from specmesh.runtime import catalog
 
@@ -12,6 +12,7 @@ if TYPE_CHECKING:  # the coordinator reads ENGINES from here and must not pay fo
     import torch
 
 ENGINES = ("auto", "transformers", "llamacpp")
+T = TypeVar("T")
 
 
 class CachedTokens(Protocol):
@@ -52,6 +53,12 @@ class ModelEngine(Protocol):
     linear_backend: str  # CPU linear layers, "onednn" or "torch" (specmesh/runtime/onednn.py); "" if no such choice
 
     def new_sequence(self) -> CachedTokens: ...
+
+    def run_on_model_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        """fn(*args) on the thread that runs this model's forward passes. The workers run a whole batch there, the
+        logits' sampling and acceptance included: torch work on any other thread (a gRPC handler's argmax over the
+        vocabulary) gives that thread an OpenMP team of its own, and with more OpenMP threads than cores libgomp
+        stops spin-waiting, which slowed every forward pass by about 25% (specmesh/runtime/model_thread.py)."""
 
     def batched_logits(self, sequences: Sequence[CachedTokens], requests: Sequence[Sequence[int]],
                        last_ns: Sequence[int]) -> list[torch.Tensor]:

@@ -20,8 +20,9 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -31,6 +32,7 @@ from specmesh.runtime.kv_cache import reusable_length
 from specmesh.runtime.model_thread import ModelThread
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 DEFAULT_CONTEXT_CELLS = 16384  # KV cells shared by all sessions unless --max-context-length says otherwise
 _backend_ready = threading.Lock()
@@ -230,6 +232,9 @@ class LlamaCppEngine:
         return True
 
     # ------------------------------------------------------------------ forward
+
+    def run_on_model_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        return self._thread.run(fn, *args)
 
     def batched_logits(self, sequences: Sequence[LlamaSequence], requests: Sequence[Sequence[int]],
                        last_ns: Sequence[int]) -> list[torch.Tensor]:

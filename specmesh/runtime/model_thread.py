@@ -1,11 +1,14 @@
 """One thread for every forward pass of a worker, the process's main thread where it can be.
 
-gRPC runs each call on whichever pool thread took it. Forward passes issued from many threads cost more: torch keeps
-an OpenMP team per calling thread (idle members spin on the same cores) and, measured here, the same float32 forward
-runs 15-35% slower on any thread but the main one (the 1.5B target: 211-255 ms per token on the main thread, 285-304
-ms on another thread, alternating in one process; HF generate() on the main thread 203-231 ms). So a worker process
-hands its main thread to its engines (`serve_on_main_thread`, from `drafter serve` / `verifier serve`); engines built
-in any other setting (tests, embedding) get a dedicated thread of their own. Either way there is exactly one.
+gRPC runs each call on whichever pool thread took it. Torch work issued from many threads costs more, and not only
+the forward passes: every thread that runs a parallel torch op (an argmax or softmax over a 150k-wide vocabulary is
+one) gets an OpenMP team of its own, and once a process has more OpenMP threads than cores, libgomp stops
+spin-waiting between parallel regions (its "throttled" spin count). The model's own team then sleeps and wakes
+hundreds of times per forward pass. Measured on the 1.5B target in float32 on 2 cores: 277-311 ms per token, 375-387
+ms while one other thread holds a team (1.98 cores busy vs 1.55), and back once that thread ends. So a worker hands
+all of its torch work, forward passes, sampling and acceptance alike, to one thread (`ModelEngine.run_on_model_thread`):
+its main thread (`serve_on_main_thread`, from `drafter serve` / `verifier serve`); engines built in any other setting
+(tests, embedding) get a dedicated thread of their own. Either way there is exactly one.
 """
 
 from __future__ import annotations

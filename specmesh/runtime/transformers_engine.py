@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import torch
 
@@ -11,6 +12,8 @@ from specmesh.runtime.devices import dtype_name
 from specmesh.runtime.kv_cache import CachedSequence
 from specmesh.runtime.models import LoadedModel
 from specmesh.runtime.model_thread import ModelThread
+
+T = TypeVar("T")
 
 
 class _ThreadedSequence(CachedSequence):
@@ -52,6 +55,9 @@ class TransformersEngine:
 
     def new_sequence(self) -> CachedSequence:
         return _ThreadedSequence(self.model, self._thread)
+
+    def run_on_model_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        return self._thread.run(fn, *args)
 
     def batched_logits(self, sequences: Sequence[CachedSequence], requests: Sequence[Sequence[int]],
                        last_ns: Sequence[int]) -> list[torch.Tensor]:

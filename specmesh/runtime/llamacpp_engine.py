@@ -233,6 +233,9 @@ class LlamaCppEngine:
 
     # ------------------------------------------------------------------ forward
 
+    def release_tokenizer(self) -> None:
+        self.tokenizer = None
+
     def run_on_model_thread(self, fn: Callable[..., T], *args: Any) -> T:
         return self._thread.run(fn, *args)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -55,6 +56,10 @@ class TransformersEngine:
 
     def new_sequence(self) -> CachedSequence:
         return _ThreadedSequence(self.model, self._thread)
+
+    def release_tokenizer(self) -> None:
+        self.tokenizer = None
+        self.loaded = dataclasses.replace(self.loaded, tokenizer=None)
 
     def run_on_model_thread(self, fn: Callable[..., T], *args: Any) -> T:
         return self._thread.run(fn, *args)

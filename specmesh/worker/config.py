@@ -72,9 +72,11 @@ class ModelConfig:
         for them up front); or `preloaded`, a model already in memory (tests, embedding), on the transformers engine."""
         if preloaded is not None:
             return as_engine(preloaded)
-        return load_engine(self.model, engine=self.engine, device=self.device, dtype=self.dtype,
-                           linear_backend=self.linear_backend, threads=self.threads,
-                           max_sessions=server.limits.max_sessions, context_length=server.max_context_length)
+        engine = load_engine(self.model, engine=self.engine, device=self.device, dtype=self.dtype,
+                             linear_backend=self.linear_backend, threads=self.threads,
+                             max_sessions=server.limits.max_sessions, context_length=server.max_context_length)
+        engine.release_tokenizer()  # the worker's own: nothing but the load needed it (a preloaded one may be shared)
+        return engine
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from specmesh.ops import logs
 from specmesh.ops import metrics
+from specmesh.runtime.memory import return_freed_memory
 from specmesh.v1 import specmesh_pb2 as pb
 from specmesh.wire.contract import (KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS, MIN_PING_INTERVAL_MS, RESYNC_PREFIX,
                                     Cancelled, NotReady)
@@ -195,6 +196,7 @@ class WorkerServer:
         model_limit = model.context_limit or 2**31 - 1
         self.max_context_length = min(self.config.max_context_length or model_limit, model_limit)
         engine.warm_up()
+        return_freed_memory()  # what loading and warming up freed (the tokenizer, the conversion's buffers)
         self.engine = engine
         role = self.role.name
         metrics.register_state(f"{role}:{self.port}", lambda: [

@@ -46,3 +46,14 @@ def test_split_options_routes_each_option_to_its_config():
 def test_split_options_refuses_an_option_no_config_has():
     with pytest.raises(TypeError, match="max_batch_size"):
         split_options({"max_batch_size": 4}, ServerConfig, ModelConfig, FaultInjection)
+
+
+def test_a_worker_frees_the_tokenizer_of_the_model_it_loads_and_keeps_a_preloaded_ones(tiny_target):
+    from specmesh.runtime.fingerprint import tokenizer_fingerprint
+
+    own = ModelConfig("tiny-random-qwen2", device="cpu", dtype="float64").load(ServerConfig())
+    assert own.tokenizer is None and own.loaded.tokenizer is None  # freed: only the load needed it
+    assert own.fingerprint == tokenizer_fingerprint(tiny_target.tokenizer)  # what Info reports stays
+    assert own.eos_token_ids == tiny_target.eos_token_ids
+    shared = ModelConfig("tiny-random-qwen2").load(ServerConfig(), preloaded=tiny_target)
+    assert shared.tokenizer is tiny_target.tokenizer  # a preloaded model may be the caller's too: left alone

@@ -36,6 +36,7 @@ if TYPE_CHECKING:  # the modeling classes import slowly (~2 s): a client that lo
 
 from specmesh.runtime import catalog
 from specmesh.runtime import onednn
+from specmesh.runtime.mapped_weights import hold_weights_once
 from specmesh.runtime.devices import configure_cpu, resolve_device, resolve_dtype
 from specmesh.runtime.fingerprint import tokenizer_fingerprint
 
@@ -339,12 +340,9 @@ def load_model(
     model.requires_grad_(False)  # inference only: no autograd buffers even outside no_grad
     vocab_size = _logits_width(model)  # before packing: it reads the output layer's weight
     if packed:
-        onednn.pack_linears(model)
-        # The checkpoint is memory-mapped and stays mapped while any tensor views it: copy every tensor out once so
-        # that the mapping goes and the weights are held once, in anonymous memory that oneDNN reads in place.
-        with torch.no_grad():
-            for tensor in [*model.parameters(), *model.buffers()]:
-                tensor.data = tensor.data.clone()
+        onednn.pack_linears(model)  # reads each layer's own weight in place: no copy
+    if dev.type == "cpu":
+        hold_weights_once(model)  # in the mapped checkpoint, or copied out of it: never both (mapped_weights.py)
     return LoadedModel(
         name=spec,
         model=model,

@@ -1,12 +1,14 @@
-"""Hold a loaded model's weights once: either in the memory-mapped checkpoint or in the process's own memory.
+"""Hold a loaded model's weights once, in the process's own memory, never in a mapping of the checkpoint file.
 
-transformers memory-maps a safetensors checkpoint. Where the requested dtype is the checkpoint's, each parameter is a
-view of that mapping: the weights live in the page cache, counted once in the resident set, and the embedding rows no
-token has used are never even read (the 1.5B target: 6.13 GiB resident for 6.62 GiB of weights). Where some
-parameters are copies (another dtype, or a checkpoint transformers rearranges), the mapping stays as long as any view
-remains and the pages read to make the copies stay resident with it: then every tensor is copied out once, the
-mapping goes, and the weights are held once in anonymous memory. Speed is the same either way (measured on the 1.5B
-target in float32: one-token steps within run-to-run noise)."""
+transformers memory-maps a safetensors checkpoint; where the requested dtype is the checkpoint's, each parameter is a
+view of that mapping, i.e. of the page cache. Running from the mapping would hold less (the embedding rows no token
+has used are never read: the 1.5B target 6.13 GiB resident for 6.62 GiB of weights, the 0.5B draft 2.25 GiB for 2.35),
+but page cache is reclaimable: under memory pressure, or on machines that page out idle memory proactively (this
+one runs a DAMON scheme that drops pages idle for 60 s), a worker idle for a minute would read its weights back from
+disk on its next call, seconds of latency. Anonymous memory without swap stays. So every tensor that views a mapping
+is copied out once (the mapping, and the pages read while loading, then go) and the weights are held once, in the
+process's own memory, where oneDNN reads them in place. A loader that already copied everything (another dtype)
+costs nothing here."""
 
 from __future__ import annotations
 
@@ -44,11 +46,9 @@ def mapped_parameters(model: torch.nn.Module) -> tuple[int, int]:
 
 
 def hold_weights_once(model: torch.nn.Module) -> str:
-    """Keep the mapping when it holds every parameter; copy every tensor out when it holds only some, so that it
-    goes. Returns where the weights live: "mapped", "own" (the loader copied them all) or "copied"."""
-    mapped, total = mapped_parameters(model)
-    if mapped == total:
-        return "mapped" if total else "own"
+    """Copy every tensor out of the checkpoint's mapping when any parameter views it. Returns where the weights were:
+    "copied" (out of the mapping) or "own" (the loader had copied them all)."""
+    mapped, _ = mapped_parameters(model)
     if mapped == 0:
         return "own"
     with torch.no_grad():

@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coordinator.api import cost_prior, round_trip_s
-from coordinator.draft_length import (POLICIES, PRIOR_ACCEPTANCE, PROBE_EVERY, PROBE_RARELY, CostEstimate,
-                                      DraftLength, RoundRecord, estimate_costs, measured_bet_hit,
-                                      measured_bet_slowdown)
+from coordinator.draft_length import (MIN_AT_RISK, POLICIES, PRIOR_ACCEPTANCE, PROBE_EVERY, PROBE_RARELY,
+                                      CostEstimate, DraftLength, RoundRecord, estimate_costs, measured_bet_hit,
+                                      measured_bet_slowdown, measured_survival, measured_tail_acceptance)
 
 
 def rounds_from(pattern: list[tuple[int, int]], draft_s_per_token: float, verify_base: float,
@@ -227,3 +227,39 @@ def test_a_bet_that_slows_the_verify_stops_being_placed():
     assert length.bet_pays(4, prefill + plain + free)
     with pytest.raises(ValueError, match="bet_slowdown"):
         CostEstimate(0.9, 0.2, 1.0, 0.1, bet_slowdown=0.5)
+
+
+def test_survival_is_the_kaplan_meier_estimate_with_fully_accepted_rounds_censored():
+    # Positions 1..4. At 1: 5 at risk, 1 fails (accepted 0). At 2: 4 at risk, 1 fails (accepted 1). At 3: the 2 rounds
+    # that accepted all of their 2 drafts leave (censored), 1 at risk: too few to estimate on its own.
+    rounds = rounds_from([(2, 2), (2, 2), (4, 0), (4, 1), (4, 4)], 0.02, 0.3, 0.05)
+    assert measured_survival(rounds) == pytest.approx((4 / 5, 4 / 5 * 3 / 4))
+    # Beyond the first draft: 1 + 1 + 0 + 3 successes, one failure (the (4, 1) round), one pseudo-failure.
+    assert measured_tail_acceptance(rounds) == pytest.approx(5 / 7)
+
+
+def test_bursty_acceptance_is_estimated_from_the_runs_themselves():
+    """Whole rounds accepted, or the first draft rejected (code, quoted input): the geometric model, fitted to such
+    rounds, misjudges long drafts; the measured survival gives the tokens per round those rounds really had."""
+    bursty = rounds_from([(3, 3)] + [(6, 6), (6, 6), (6, 0)] * 6, 0.4, 1.0, 0.2)  # (3, 3): a second k, v(k) slope
+    estimate = estimate_costs(bursty)
+    assert len(estimate.survival) >= 6 and estimate.survival[0] == pytest.approx(estimate.survival[5])
+    measured = sum(r.accepted + 1 for r in bursty[2:]) / len(bursty[2:])  # the k = 6 rounds: 2/3 x 7 + 1/3 x 1
+    geometric = replace(estimate, survival=(), tail_acceptance=None)
+    assert abs(estimate.expected_tokens(6) - measured) < 0.2 < 0.5 < abs(geometric.expected_tokens(6) - measured)
+
+
+def test_independent_acceptance_gives_about_the_geometric_answer():
+    pattern = [(8, 0), (8, 2), (8, 1), (8, 4), (8, 0), (8, 3), (8, 1), (8, 8), (8, 2), (8, 0)] * 3
+    estimate = estimate_costs(rounds_from([(4, 1)] + pattern, 0.1, 1.0, 0.1))
+    geometric = replace(estimate, survival=(), tail_acceptance=None)
+    assert len(estimate.survival) >= MIN_AT_RISK - 1
+    assert estimate.expected_tokens(8) == pytest.approx(geometric.expected_tokens(8), rel=0.15)
+    assert abs(estimate.best_k(16) - geometric.best_k(16)) <= 1
+
+
+def test_survival_must_be_a_non_increasing_probability():
+    with pytest.raises(ValueError, match="survival"):
+        CostEstimate(0.8, 0.1, 1.0, 0.1, survival=(0.5, 0.7))
+    with pytest.raises(ValueError, match="tail_acceptance"):
+        CostEstimate(0.8, 0.1, 1.0, 0.1, survival=(0.5,), tail_acceptance=1.5)

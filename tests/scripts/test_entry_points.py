@@ -38,7 +38,7 @@ def test_benchmark_scripts_are_the_coordinator_commands(name, module, monkeypatc
     assert options(run.stdout) == options(module.build_parser("coordinator bench").format_help())
 
 
-@pytest.mark.parametrize("name", ["chaos.py", "fuzz.py", "profile_round.py"])
+@pytest.mark.parametrize("name", ["chaos.py", "fuzz.py", "profile_round.py", "profile_cores.py"])
 def test_tool_scripts_start(name):
     run = script(name, "--help")
     assert run.returncode == 0, run.stderr
@@ -50,3 +50,21 @@ def test_chaos_serve_has_its_own_flags():
     assert run.returncode == 0, run.stderr
     assert run.stdout.startswith("usage: chaos.py --serve ")
     assert "--clients" in run.stdout and "--draft-model" in run.stdout
+
+
+def test_profile_cores_reports_every_process_on_tiny_models():
+    run = script("profile_cores.py", "--target-model", "tiny-random-qwen2", "--draft-model", "tiny-random-qwen2",
+                 "--dtype", "float64", "--prompts", "1", "--max-new-tokens", "4", "--threads", "1")
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert [line.split()[2] for line in lines] == ["target-only", "adaptive", "target-only", "HF"]
+    assert all("verifier" in line and "drafter" in line and "coordinator" in line for line in lines[:3])
+    assert "cores" in lines[3]
+
+
+def test_profile_cores_omp_team_experiment_on_a_tiny_model():
+    run = script("profile_cores.py", "--omp-team-experiment", "--target-model", "tiny-random-qwen2", "--dtype",
+                 "float64", "--steps", "2", "--threads", "2")
+    assert run.returncode == 0, run.stderr
+    assert [line.split(" one-token")[0].strip() for line in run.stdout.splitlines()] == [
+        "alone", "another thread holds an OpenMP team", "that thread has ended"]

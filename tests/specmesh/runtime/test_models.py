@@ -305,10 +305,9 @@ def test_load_catalog_gguf_and_generate(smol_cache, monkeypatch, capfd):
     conv = models.converted_dir(SMOL, catalog.CATALOG[SMOL].sha256[:16])
     assert (conv / "model.safetensors").is_file()
 
-    # Second load: straight from the converted cache, no GGUF parsing.
+    # Second load: straight from the converted cache, no GGUF parsing (a conversion fails the test; no wall-clock
+    # bound: on a loaded CI machine a plain load alone can take 15 s).
     monkeypatch.setattr(models, "convert_gguf", lambda *a, **k: pytest.fail("should use converted cache"))
-    start = time.perf_counter()
     again = load_model(SMOL, device="cpu", dtype="float32", progress=False)
-    assert time.perf_counter() - start < 15
     assert again.fingerprint == lm.fingerprint and again.eos_token_ids == lm.eos_token_ids
     assert torch.equal(_logits(again, ids[0].tolist()), _logits(lm, ids[0].tolist()))

@@ -342,7 +342,7 @@ def load_model(
     if packed:
         onednn.pack_linears(model)  # reads each layer's own weight in place: no copy
     if dev.type == "cpu":
-        hold_weights_once(model)  # copied out of the checkpoint's mapping: page cache can be reclaimed (mapped_weights.py)
+        hold_weights_once(model)  # out of the checkpoint's mapping: page cache can be reclaimed (mapped_weights.py)
     return LoadedModel(
         name=spec,
         model=model,

@@ -1,15 +1,16 @@
 """Benchmarks that are coordinator commands (`coordinator bench`, `coordinator bench-concurrency`; also
 `python scripts/bench.py` and `python scripts/bench_concurrency.py`).
 
-    bench.py               the side-by-side benchmark command: flags, phases in order, reports written
+    bench.py               the side-by-side benchmark command: flags, the sides' order, reports written
     modes.py               what a mode is (specmesh, HF or llama.cpp; drafter; k; policy) and which can run
     prompts.py             the prompt set (prompts.json: code, prose, and prompts that quote their input)
     engines.py             the engine each side asks for and what "auto" resolves to
     machine.py             the CPU features a run could use
-    measure.py             best of N timed runs
-    specmesh_runs.py       phase 1: specmesh modes over gRPC on local or given workers
-    hf_baseline.py         phase 2: Hugging Face transformers in-process
-    llamacpp_baseline.py   phase 3: llama-cpp-python's own loop in-process
+    measure.py             a side's runner, best of N timed runs, the sides taking turns prompt by prompt
+    interleave.py          whether the baselines fit in memory beside the workers (interleaved order)
+    specmesh_runs.py       the specmesh side: its modes over gRPC on local or given workers
+    hf_baseline.py         the HF side: Hugging Face transformers in-process
+    llamacpp_baseline.py   the llama.cpp side: llama-cpp-python's own loop in-process
     analysis.py            speedups, divergence, per-class summaries, the analytic speedup bound
     reports.py             markdown tables and the PNG plot
     concurrency.py         the bench-concurrency command: aggregate tokens/s with batching off and on

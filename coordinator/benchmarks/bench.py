@@ -1,16 +1,21 @@
 """Side-by-side benchmark: specmesh target-only, speculative (draft model, adaptive or fixed k), n-gram drafting, and
 in-process Hugging Face transformers and llama.cpp baselines, on the same prompts, models and dtype, in one run.
 
-Phase 1 starts a verifier, a model drafter and an n-gram drafter (`drafter serve --method ngram`) as local subprocesses
-(or uses the given addresses) and, prompt by prompt, runs target-only decoding (k = 0, the baseline) then every
-specmesh mode on the SAME workers. Phase 2 stops them, loads the models in-process with
-specmesh.runtime.models.load_model and runs `model.generate()` (target-only) and
-`model.generate(assistant_model=draft)` (HF assisted generation, HF's defaults) greedily on the same chat-templated
-prompt ids with the same max_new_tokens (`hf-ngram`: `prompt_lookup_num_tokens`). Phase 3 (GGUF targets only: catalog
-names and .gguf paths) loads the target's GGUF with llama-cpp-python's high-level `Llama` and runs its own greedy loop
-(`llama-target`) and its prompt-lookup decoding (`llama-lookup`: LlamaPromptLookupDecoding, --hf-prompt-lookup-tokens
-and --ngram-max) on the same prompt ids; with a non-GGUF target (or without llama-cpp-python) these modes are skipped
-with a note. All decoding is greedy.
+The specmesh side starts a verifier, a model drafter and an n-gram drafter (`drafter serve --method ngram`) as local
+subprocesses (or uses the given addresses) and runs target-only decoding (k = 0, the baseline) and every specmesh mode
+on the SAME workers. The HF side loads the models in-process with specmesh.runtime.models.load_model and runs
+`model.generate()` (target-only) and `model.generate(assistant_model=draft)` (HF assisted generation, HF's defaults)
+greedily on the same chat-templated prompt ids with the same max_new_tokens (`hf-ngram`: `prompt_lookup_num_tokens`).
+The llama.cpp side (GGUF targets only: catalog names and .gguf paths) loads the target's GGUF with llama-cpp-python's
+high-level `Llama` and runs its own greedy loop (`llama-target`) and its prompt-lookup decoding (`llama-lookup`:
+LlamaPromptLookupDecoding, --hf-prompt-lookup-tokens and --ngram-max) on the same prompt ids; with a non-GGUF target
+(or without llama-cpp-python) these modes are skipped with a note. All decoding is greedy.
+
+`--order interleaved` (the default) loads every side at once and runs each prompt through every mode back to back,
+each prompt starting one mode later than the one before: a machine whose speed drifts over minutes (shared hosts)
+then slows every side alike, where a phased run once put a 10% drift between specmesh and HF. It needs memory for the
+baselines' models beside the workers' and falls back to `--order phased` (all specmesh modes, then the workers stop
+and each baseline side runs in turn) with a note when there is not enough.
 
 The workers run on `--engine` (auto | transformers | llamacpp; `--target-engine` / `--draft-engine` override one side);
 the report records the engines asked for, the ones the workers run and the CPU flags of the machine. llama.cpp's
@@ -44,18 +49,21 @@ import json
 import os
 import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 from coordinator.benchmarks.analysis import add_relative, summarize
 from coordinator.benchmarks.engines import requested_engines, resolved_engines
-from coordinator.benchmarks.hf_baseline import run_hf
-from coordinator.benchmarks.llamacpp_baseline import run_llamacpp
+from coordinator.benchmarks.hf_baseline import hf_runner
+from coordinator.benchmarks.interleave import cannot_interleave
+from coordinator.benchmarks.llamacpp_baseline import llamacpp_runner
 from coordinator.benchmarks.machine import cpu_features, llamacpp_system_info
 from coordinator.benchmarks.modes import DEFAULT_MODES, drop_unrunnable, parse_modes
 from coordinator.benchmarks.prompts import DEFAULT_PROMPTS, load_prompts
 from coordinator.benchmarks.netns import MeshUnavailable
 from coordinator.benchmarks.reports import markdown, plot, split_markdown, split_plot, sweep_markdown
-from coordinator.benchmarks.specmesh_runs import run_specmesh
+from coordinator.benchmarks.measure import take_turns
+from coordinator.benchmarks.specmesh_runs import specmesh_runner
 from coordinator.benchmarks.split import DEFAULT_SPLIT_MODES, UNAVAILABLE, SplitUnavailable, run_split
 from coordinator.benchmarks import split
 from specmesh.ops.flags import DefaultsRawDescriptionHelpFormatter
@@ -124,6 +132,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--llama-flash-attn", choices=("on", "off"), default="on",
                         help="llama-target/llama-lookup: flash attention (default: on, as llama.cpp's auto and the "
                         "specmesh llama.cpp engine run on CPU; llama-cpp-python's Llama defaults to off)")
+    parser.add_argument("--order", choices=("interleaved", "phased"), default="interleaved",
+                        help="interleaved: every prompt runs every mode back to back, specmesh and baselines taking "
+                        "turns (the baselines' models are loaded beside the workers; falls back to phased when memory "
+                        "is short); phased: all specmesh modes, then the workers stop and each baseline runs in turn")
     parser.add_argument("--baseline-cpus", default=None,
                         help="pin the in-process HF and llama.cpp baselines to these CPUs, e.g. 1 or 0,1 (default: "
                         "no pinning; the split topology pins them to the verifier's core)")
@@ -235,7 +247,7 @@ def run(args: argparse.Namespace) -> int:
 
 def measure(args: argparse.Namespace, modes, prompts: list[dict], classes: list[str], skipped: dict,
             engines: dict, resolved: dict) -> dict:
-    """One full benchmark run (every phase, baselines included) at args.threads; returns its report."""
+    """One full benchmark run (every side, baselines included) at args.threads; returns its report."""
     def log(row: dict) -> None:
         acc = row.get("acceptance_rate")
         print(f"{row['class']:5s} {row['mode']:>12s} {row['tokens_per_s']:7.2f} tok/s {row['new_tokens']:4d} tok "
@@ -243,25 +255,48 @@ def measure(args: argparse.Namespace, modes, prompts: list[dict], classes: list[
               file=sys.stderr, flush=True)
 
     started = time.time()
-    info, rows, prompt_ids = run_specmesh(args, modes, prompts, log)
-    # HF stops at the same end-of-sequence ids as the coordinator: the verifier's.
-    if args.baseline_cpus:  # the specmesh phase is over: from here on this process runs the baselines only
-        os.sched_setaffinity(0, baseline_cpus(args))
-    hf_info, hf_rows = run_hf(args, modes, prompts, prompt_ids, info["eos_token_ids"], log)
-    rows += hf_rows
-    gc.collect()  # the HF models: gone before llama.cpp loads
-    llama_info, llama_rows = run_llamacpp(args, modes, prompts, prompt_ids, info["eos_token_ids"], log)
-    rows += llama_rows
+    order = args.order
+    side_infos: list[dict] = []
+    with ExitStack() as stack:
+        ours = stack.enter_context(specmesh_runner(args, modes, prompts))
+        info, prompt_ids = ours.info, ours.prompt_ids
+        baselines = {"hf": lambda: hf_runner(args, modes, prompts, prompt_ids, info["eos_token_ids"]),
+                     "llamacpp": lambda: llamacpp_runner(args, modes, prompts, prompt_ids, info["eos_token_ids"])}
+        if order == "interleaved" and (why := cannot_interleave(args, modes, info)):
+            print(f"bench: note: the sides run one after the other (--order phased): {why}", file=sys.stderr)
+            order = "phased"
+        if order == "interleaved":
+            runners = {"specmesh": ours}
+            for kind, open_side in baselines.items():
+                if (runner := stack.enter_context(open_side())) is not None:
+                    runners[kind] = runner
+                    side_infos.append(runner.info)
+            rows = take_turns(runners, modes, prompts, args.repeats, log)
+        else:
+            rows = take_turns({"specmesh": ours}, modes, prompts, args.repeats, log, rotate=False)
+    if order == "phased":
+        if args.baseline_cpus:  # the specmesh side is over: from here on this process runs the baselines only
+            os.sched_setaffinity(0, baseline_cpus(args))
+        for kind, open_side in baselines.items():  # one at a time: a side's models are freed before the next loads
+            with open_side() as runner:
+                if runner is not None:
+                    rows += take_turns({kind: runner}, modes, prompts, args.repeats, log, rotate=False)
+                    side_infos.append(runner.info)
+            runner = None  # its closures hold the models
+            gc.collect()
+    for side_info in side_infos:
+        info.update(side_info)
     add_relative(rows)
     summary = summarize(rows, modes, classes)
-    uses_llamacpp = bool(llama_rows) or "llamacpp" in (info.get("verifier_engine"), info.get("drafter_engine"))
-    system_info = ((llama_info.get("llamacpp") or {}).get("system_info") or llamacpp_system_info()
+    uses_llamacpp = any(r["kind"] == "llamacpp" for r in rows) or "llamacpp" in (info.get("verifier_engine"),
+                                                                                 info.get("drafter_engine"))
+    system_info = ((info.get("llamacpp") or {}).get("system_info") or llamacpp_system_info()
                    if uses_llamacpp else None)
     report = {
-        "info": {**info, **hf_info, **llama_info, "cpu": cpu_features(system_info)},
+        "info": {**info, "cpu": cpu_features(system_info)},
         "config": {"max_new_tokens": args.max_new_tokens, "modes": [m.name for m in modes], "classes": classes,
                    "repeats": args.repeats, "ngram_min": args.ngram_min, "ngram_max": args.ngram_max,
-                   "threads": args.threads, "linear_backend": args.linear_backend,
+                   "threads": args.threads, "linear_backend": args.linear_backend, "order": order,
                    "engines": engines, "resolved_engines": resolved,
                    "hf_prompt_lookup_tokens": args.hf_prompt_lookup_tokens,
                    "chat": not args.no_chat, "wall_s": round(time.time() - started, 1)},

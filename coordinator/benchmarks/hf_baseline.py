@@ -1,12 +1,14 @@
-"""Phase 2 of the benchmark: Hugging Face transformers in-process on the same chat-templated prompt ids:
+"""The Hugging Face side of the benchmark: transformers in-process on the same chat-templated prompt ids:
 `model.generate()` (hf-target), `model.generate(assistant_model=draft)` (hf-assisted, HF's defaults) and prompt lookup
 (hf-ngram), all greedy."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
-from coordinator.benchmarks.measure import best_of
+from coordinator.benchmarks.measure import Runner
 from coordinator.benchmarks.modes import Mode
 
 
@@ -24,8 +26,10 @@ class ForwardCounter:
         self._handle.remove()
 
 
-def run_hf(args, modes: list[Mode], prompts: list[dict], prompt_ids: dict, eos_ids: list[int],
-           log) -> tuple[dict, list[dict]]:
+@contextmanager
+def hf_runner(args, modes: list[Mode], prompts: list[dict], prompt_ids: dict, eos_ids: list[int]) -> Iterator[Runner]:
+    """The models loaded in this process and warmed on the first prompt; None without HF modes.
+    HF stops at the same end-of-sequence ids as the coordinator: the verifier's."""
     import torch
     from transformers import GenerationConfig
 
@@ -33,7 +37,8 @@ def run_hf(args, modes: list[Mode], prompts: list[dict], prompt_ids: dict, eos_i
 
     hf_modes = [m for m in modes if m.kind == "hf"]
     if not hf_modes:
-        return {}, []
+        yield None
+        return
     target = load_model(args.target_model, device=args.device, dtype=args.dtype, threads=args.threads,
                         linear_backend=args.linear_backend, progress=False)
     draft = (load_model(args.draft_model, device=args.device, dtype=args.dtype, threads=args.threads,
@@ -73,35 +78,29 @@ def run_hf(args, modes: list[Mode], prompts: list[dict], prompt_ids: dict, eos_i
     for mode in hf_modes:
         generate(warm, 8, mode)
 
-    rows = []
-    for prompt in prompts:
-        ids = prompt_ids[prompt["id"]]
-        for mode in hf_modes:
-            def once(mode=mode, ids=ids, prompt=prompt) -> dict:
-                new, elapsed, target_passes, draft_passes = generate(ids, args.max_new_tokens, mode)
-                # Each target pass commits its accepted drafts plus one token of its own.
-                accepted = len(new) - target_passes if mode.drafter else 0
-                drafted = draft_passes if mode.drafter == "model" else None
-                return {
-                    "prompt_id": prompt["id"], "class": prompt["class"], "mode": mode.name, "kind": "hf",
-                    "new_tokens": len(new), "elapsed_s": round(elapsed, 4),
-                    "tokens_per_s": round(len(new) / elapsed, 3), "rounds": target_passes,
-                    "drafted_tokens": drafted, "accepted_tokens": accepted if mode.drafter else None,
-                    "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
-                    "mean_accepted_length": round(len(new) / target_passes, 4) if target_passes else None,
-                    "finish_reason": "eos" if new and new[-1] in eos_ids else "length",
-                    "token_ids": new, "text": tok.decode(new, skip_special_tokens=True),
-                }
-            row = best_of(args.repeats, once)
-            rows.append(row)
-            log(row)
+    def run(prompt: dict, mode: Mode) -> dict:
+        new, elapsed, target_passes, draft_passes = generate(prompt_ids[prompt["id"]], args.max_new_tokens, mode)
+        # Each target pass commits its accepted drafts plus one token of its own.
+        accepted = len(new) - target_passes if mode.drafter else 0
+        drafted = draft_passes if mode.drafter == "model" else None
+        return {
+            "prompt_id": prompt["id"], "class": prompt["class"], "mode": mode.name, "kind": "hf",
+            "new_tokens": len(new), "elapsed_s": round(elapsed, 4),
+            "tokens_per_s": round(len(new) / elapsed, 3), "rounds": target_passes,
+            "drafted_tokens": drafted, "accepted_tokens": accepted if mode.drafter else None,
+            "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
+            "mean_accepted_length": round(len(new) / target_passes, 4) if target_passes else None,
+            "finish_reason": "eos" if new and new[-1] in eos_ids else "length",
+            "token_ids": new, "text": tok.decode(new, skip_special_tokens=True),
+        }
+
     hf_info = {"hf_dtype": str(target.dtype).removeprefix("torch."),
                "transformers_assisted_defaults": {"num_assistant_tokens": 20, "num_assistant_tokens_schedule":
                                                   "constant", "assistant_confidence_threshold": 0.4}
                if draft is not None else None,
                "hf_prompt_lookup_num_tokens": args.hf_prompt_lookup_tokens
                if any(m.drafter == "ngram" for m in hf_modes) else None}
-    return hf_info, rows
+    yield Runner(hf_info, run)  # the models live as long as the runner: drop it to free them
 
 
 def _vocab(loaded) -> int:

@@ -1,13 +1,14 @@
-"""Phase 1 of the benchmark: every specmesh mode over gRPC, prompt by prompt, on the same workers (started here as local
-subprocesses, or the given addresses): target-only first (the baseline), then speculative and n-gram modes."""
+"""The specmesh side of the benchmark: every specmesh mode over gRPC on the same workers (started here as local
+subprocesses, or the given addresses)."""
 
 from __future__ import annotations
 
-from contextlib import ExitStack
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 
 from coordinator import Coordinator, GenerationOptions
 from coordinator.benchmarks.engines import requested_engines
-from coordinator.benchmarks.measure import best_of
+from coordinator.benchmarks.measure import Runner
 from coordinator.benchmarks.modes import Mode
 from coordinator.local_workers import LocalWorkerSpec, local_workers
 
@@ -33,11 +34,12 @@ def specmesh_row(result, prompt: dict, mode: Mode) -> dict:
     }
 
 
-def run_specmesh(args, modes: list[Mode], prompts: list[dict], log) -> tuple[dict, list[dict], dict]:
-    """Returns (info, rows, prompt ids by prompt id)."""
+@contextmanager
+def specmesh_runner(args, modes: list[Mode], prompts: list[dict]) -> Iterator[Runner]:
+    """Workers up and warm, every coordinator connected; the runner's info gains the workers' memory at the end (after
+    every generation). Its prompt_ids are the chat-templated prompts every side of the benchmark runs."""
     need_model = any(m.drafter == "model" for m in modes if m.kind == "specmesh")
     need_ngram = any(m.drafter == "ngram" for m in modes if m.kind == "specmesh")
-    rows: list[dict] = []
     with ExitStack() as stack:
         common = dict(device=args.device, dtype=args.dtype, threads=args.threads,
                       extra_args=("--linear-backend", args.linear_backend))
@@ -78,6 +80,11 @@ def run_specmesh(args, modes: list[Mode], prompts: list[dict], log) -> tuple[dic
                 # "shared" (the target's token ids) or "translated" (another tokenizer, drafts through text)
                 "draft_tokenizer": coordinators["model"].engines.get("draft_tokenizer") if need_model else None,
                 "ngram": {"min": args.ngram_min, "max": args.ngram_max} if need_ngram else None,
+                # The weights each worker loaded, and on which engine: what running the baselines beside them needs.
+                "worker_weights": {role: {"bytes": worker.weights_bytes, "engine": worker.engine}
+                                   for role, worker in (("verifier", base.verifier_info),
+                                                        ("drafter", coordinators["model"].drafter_info
+                                                         if need_model else None)) if worker is not None},
                 # The fastest health check to each worker: the network round trip the rounds pay.
                 "rtt_ms": {role: round(1000 * s, 3)
                            for role, s in coordinators["model" if need_model else None].round_trip_s.items()}}
@@ -87,22 +94,17 @@ def run_specmesh(args, modes: list[Mode], prompts: list[dict], log) -> tuple[dic
         for name, c in coordinators.items():  # warm caches, allocators and channels of every worker
             c.generate(list(warm), GenerationOptions(max_new_tokens=8, draft_tokens=0 if name is None else None))
 
-        for prompt in prompts:
-            ids = prompt_ids[prompt["id"]]
-            for mode in modes:
-                if mode.kind != "specmesh":
-                    continue
-                c = coordinators[mode.drafter]
-                options = GenerationOptions(max_new_tokens=args.max_new_tokens, draft_tokens=mode.k,
-                                            draft_policy=mode.policy, pipeline=mode.pipeline)
-                row = best_of(args.repeats, lambda: specmesh_row(c.generate(list(ids), options), prompt, mode))
-                rows.append(row)
-                log(row)
+        def run(prompt: dict, mode: Mode) -> dict:
+            options = GenerationOptions(max_new_tokens=args.max_new_tokens, draft_tokens=mode.k,
+                                        draft_policy=mode.policy, pipeline=mode.pipeline)
+            return specmesh_row(coordinators[mode.drafter].generate(list(prompt_ids[prompt["id"]]), options),
+                                prompt, mode)
+
+        yield Runner(info, run, prompt_ids)
         # Memory after every generation: what the workers hold (resident set vs the weights as loaded).
         info["memory"] = {role: worker_memory(c, role) for role, c in (("verifier", base),
                                                                       ("drafter", coordinators.get("model")))
                           if c is not None}
-    return info, rows, prompt_ids
 
 
 def worker_memory(coordinator: Coordinator, role: str) -> dict:

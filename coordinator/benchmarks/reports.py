@@ -122,6 +122,11 @@ def header_notes(report: dict) -> list[str]:
                          f"({memory['resident_bytes'] / memory['weights_bytes']:.2f}x).")
     if info.get("hf_dtype"):
         lines.append(f"- HF transformers baselines: {info['hf_dtype']}.")
+    if config.get("order") == "interleaved":
+        lines.append("- order: interleaved (every prompt ran every mode back to back, each prompt starting one mode "
+                     "later).")
+    elif config.get("order") == "phased":
+        lines.append("- order: phased (all specmesh modes, then each baseline side in turn).")
     llama = info.get("llamacpp")
     if llama:
         lookup = llama.get("prompt_lookup")

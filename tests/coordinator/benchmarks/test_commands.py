@@ -39,7 +39,7 @@ def test_coordinator_bench_runs_every_mode_and_writes_reports(tmp_path):
                for r in speculative)
     table = (tmp_path / "bench.md").read_text()
     assert "| all | adaptive |" in table and "- skipped llama-target:" in table
-    assert "- engines: verifier transformers" in table
+    assert "- engines: verifier transformers" in table and "- order: interleaved" in table
     assert "vs llama.cpp target-only" not in table  # no llama-target row: no column
     assert (tmp_path / "bench.png").stat().st_size > 1000
 

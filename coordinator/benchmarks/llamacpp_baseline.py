@@ -52,7 +52,6 @@ def llamacpp_runner(args, modes: list[Mode], prompts: list[dict], prompt_ids: di
             stack.callback(llm.close)  # frees the model and context now (the Python object follows later)
             generators[mode.name] = counted_generator(llm, eos)
             generators[mode.name](warm, 8)
-        del llm
         system_info = llama_cpp.llama_print_system_info().decode(errors="replace")
 
         def run(prompt: dict, mode: Mode) -> dict:

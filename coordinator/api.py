@@ -339,9 +339,12 @@ def cost_prior(verifier_info, drafter_info, round_trips: dict[str, float] | None
     if drafter_info is None or verifier_info.verify_base_s <= 0:
         return None
     whole_ms = {role: math.floor(s * 1000) / 1000 for role, s in (round_trips or {}).items()}
+    # The measured curve when the verifier sends one (older verifiers send only the line), drafts ascending from 0.
+    curve = tuple(sorted((c.drafts, max(c.seconds, 0.0)) for c in getattr(verifier_info, "verify_costs", ())))
     return CostEstimate(PRIOR_ACCEPTANCE, max(drafter_info.draft_per_token_s, 0.0), verifier_info.verify_base_s,
                         max(verifier_info.verify_per_draft_s, 0.0), draft_round_trip_s=whole_ms.get("drafter", 0.0),
-                        verify_round_trip_s=whole_ms.get("verifier", 0.0))
+                        verify_round_trip_s=whole_ms.get("verifier", 0.0),
+                        verify_curve=curve if curve and curve[0][0] == 0 else ())
 
 
 def round_trip_s(pool: WorkerPool, probes: int = 5) -> float:

@@ -3,12 +3,16 @@
 Every policy answers two questions (the DraftPolicy protocol): the first round's k, and the next round's k after the
 rounds so far. `POLICIES` names the adaptive ones a user may choose:
 - "heuristic" (Hugging Face's): +2 after a round where every draft was accepted, -1 otherwise.
-- "cost": pick the k that maximises expected tokens per second from the speculative decoding cost model,
-  E(k) / (k*c + v(k)) with E(k) = (1 - a^(k+1)) / (1 - a) (Leviathan et al.), where a is the per-token acceptance rate,
-  c the drafter's seconds per token and v(k) the verify round's seconds for k drafts, all measured on this
-  generation's recent rounds. Unlike the heuristic it knows what a draft token and a wider verify pass COST here, so
-  it drafts less where drafting does not pay (prose, slow drafter, a verifier whose cost grows with k) and can fall
-  back to k = 0 (plain target decoding), probing with a small draft now and then to notice when drafting pays again.
+- "cost": the speculative decoding cost model says whether drafting pays, and the run says how long to draft. A
+  round with k drafts commits E(k) tokens and costs k*c + v(k): c the drafter's seconds per token, v(k) the verify's
+  seconds for k drafts (the verifier's measured curve, see CostEstimate.verify_curve), E(k) from this generation's
+  measured acceptance. After a fully accepted round it drafts 2 more (HF's rule: the drafter is following the text,
+  and bursty runs last longer than any average predicts); after a rejection it keeps drafting (one fewer) while the
+  recent drafted rounds' realised rate, priced by the model, is at least target-only's, and falls back to k = 0
+  (plain target decoding) otherwise, probing with a small draft now and then to notice when drafting pays again
+  (drafting_pays). Where the model's own best k is longer (cheap drafts), it drafts that. Unlike the heuristic it
+  knows what a draft token and a wider verify pass COST here: where drafting cannot pay even with every draft
+  accepted (a slow drafter, a verifier whose cost grows with every draft), it never starts.
 A fixed k (`DraftLength.fixed`) is the third, non-adaptive policy.
 
 Two more costs enter the model when the workers report theirs (the prior): the network round trip of each RPC (a
@@ -25,7 +29,8 @@ costs cannot show that, so the policy measures it: how much slower this generati
 without (against the workers' costs), after MIN_BET_ROUNDS bets, and counts the verify that much longer when betting.
 
 Acceptance is bursty: where the draft model follows the text (code, quoted input) whole rounds are accepted, where
-it does not the first draft already fails. The geometric E(k) above, fitted to such rounds, underestimates long drafts
+it does not the first draft already fails. Per token, E(k) = (1 - a^(k+1)) / (1 - a) (Leviathan et al.), a the
+per-token acceptance. That geometric E(k), fitted to such rounds, underestimates long drafts
 (the transformers bench: 3.6 tokens per round predicted at k = 7, 6.2 measured), and a policy that trusts it drafts 2
 where 7 pays. So once the generation has drafted, E(k) = 1 + S(1) + ... + S(k) with S(j), the probability that the
 first j drafts are all accepted, measured by the Kaplan-Meier estimator over the recent rounds (a round that
@@ -52,6 +57,7 @@ PROBE_RARELY = 64
 PRIOR_ACCEPTANCE = 0.7  # per-token acceptance assumed before any round has measured it
 MIN_DRAFTED_ROUNDS = 3  # below this the cost model has too little data and the heuristic decides
 MIN_BET_ROUNDS = 3  # pipelined rounds measured before their verifies' slowdown counts
+GATE_WINDOW = 8  # recent drafted rounds whose realised rate says whether drafting pays (drafting_pays)
 MIN_AT_RISK = 4  # rounds that must have reached a draft position before its acceptance is estimated on its own
 
 
@@ -78,7 +84,7 @@ def expected_tokens_per_round(acceptance: float, k: float) -> float:
 class CostEstimate:
     acceptance: float  # per draft token
     draft_s_per_token: float
-    verify_s_base: float  # v(k) = verify_s_base + verify_s_per_token * k
+    verify_s_base: float  # v(k) = verify_s_base + verify_s_per_token * k, unless verify_curve is given
     verify_s_per_token: float
     draft_round_trip_s: float = 0.0  # network and RPC time of one Propose call, apart from drafting
     verify_round_trip_s: float = 0.0  # the same for one Verify call
@@ -88,6 +94,11 @@ class CostEstimate:
     # Measured P(the first j drafts are all accepted) for j = 1, 2, ... (Kaplan-Meier); empty: geometric in acceptance
     survival: tuple[float, ...] = ()
     tail_acceptance: float | None = None  # per-position acceptance past the measured survival; None: acceptance
+    # Measured (drafts, verify seconds) points, drafts ascending from 0: v(k) by linear interpolation between them and
+    # the last segment's slope past them. A pass over a few tokens is far from linear in their number on CPUs (one
+    # row runs a matrix-vector kernel, two or more a matrix-matrix one: 1.5B float32 here, 0.47 s for 0 drafts,
+    # 0.78 s for 1, 0.92 s for 4, 1.32 s for 16); a line through 0 and 4 drafts would price 16 at 2.1 s.
+    verify_curve: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.acceptance <= 1.0 or (self.bet_hit is not None and not 0.0 <= self.bet_hit <= 1.0):
@@ -102,6 +113,21 @@ class CostEstimate:
         if any(not 0.0 <= p <= 1.0 for p in self.survival) or list(self.survival) != sorted(self.survival,
                                                                                             reverse=True):
             raise ValueError(f"survival must be non-increasing probabilities: {self}")
+        drafts = [k for k, _ in self.verify_curve]
+        if self.verify_curve and (drafts[0] != 0 or drafts != sorted(set(drafts))
+                                  or min(s for _, s in self.verify_curve) < 0):
+            raise ValueError(f"verify_curve must be (drafts, seconds >= 0) points with drafts ascending from 0: {self}")
+
+    def verify_s(self, k: int) -> float:
+        """Seconds of the verifier's work for k drafts (without the round trip)."""
+        curve = self.verify_curve
+        if not curve:
+            return self.verify_s_base + self.verify_s_per_token * k
+        if len(curve) == 1:
+            return curve[0][1]
+        index = next((i for i, (drafts, _) in enumerate(curve) if drafts >= k), len(curve) - 1)
+        (k0, s0), (k1, s1) = curve[max(index - 1, 0)], curve[max(index, 1)]
+        return max(s0 + (s1 - s0) * (k - k0) / (k1 - k0), 0.0)
 
     def reach(self, j: int) -> float:
         """P(the first j drafts are all accepted)."""
@@ -119,7 +145,7 @@ class CostEstimate:
         return 1.0 + sum(self.reach(j) for j in range(1, k + 1))
 
     def _verify_and_draft_s(self, k: int) -> tuple[float, float]:
-        return (self.verify_round_trip_s + self.verify_s_base + self.verify_s_per_token * k,
+        return (self.verify_round_trip_s + self.verify_s(k),
                 self.draft_round_trip_s + k * self.draft_s_per_token if k else 0.0)
 
     def _betting_round_s(self, k: int) -> float:
@@ -202,8 +228,7 @@ def measured_bet_slowdown(rounds: Sequence[RoundRecord], costs: CostEstimate) ->
     its k (>= 1; 1 until MIN_BET_ROUNDS recent rounds had a bet). Without rounds lacking a bet, the prediction itself
     is the reference."""
     def ratio(selected: list[RoundRecord]) -> float:
-        predicted = sum(costs.verify_round_trip_s + costs.verify_s_base + costs.verify_s_per_token * r.drafted
-                        for r in selected)
+        predicted = sum(costs.verify_round_trip_s + costs.verify_s(r.drafted) for r in selected)
         return sum(r.verify_s for r in selected) / predicted if predicted > 0 else 1.0
     betting = [r for r in rounds[1:] if r.bet_won is not None][-WINDOW:]
     if len(betting) < MIN_BET_ROUNDS:
@@ -296,12 +321,15 @@ class CostPolicy:
         self.fallback = HeuristicPolicy(length)
 
     def first_k(self) -> int:
-        """With the workers' cost prior, what the prior says pays (possibly 0); otherwise `initial`."""
+        """With the workers' cost prior: 0 where drafting cannot pay even if every draft were accepted, else
+        `initial` or the longer draft the prior finds best. The prior's acceptance is a guess; whether drafting pays
+        at this generation's acceptance is for its rounds to show (drafting_pays)."""
         prior = self._from_prior(())
         if prior is None:
             return self.length.initial
-        best = prior.best_k(self.length.maximum)
-        return best if best >= self.length.minimum else 0
+        if not prior.could_pay(self.length.maximum):
+            return 0
+        return max(self.length.initial, prior.best_k(self.length.maximum))
 
     def _from_prior(self, rounds: Sequence[RoundRecord]) -> CostEstimate | None:
         """The workers' measured costs, with this generation's acceptance (and, pipelined, the bet's hit rate and
@@ -330,12 +358,36 @@ class CostPolicy:
             return self.fallback.next_k(k, rounds)
         minimum, maximum = self.length.minimum, self.length.maximum
         best = estimate.best_k(maximum)
+        if estimate.could_pay(maximum) and drafting_pays(rounds, estimate):
+            # Follow the run as the heuristic does (+2 after a full acceptance, -1 after a rejection), or, once a few
+            # rounds have measured acceptance, draft what the model finds best where that is longer (cheap drafts:
+            # an n-gram drafter, a hidden pipelined bet).
+            measured = len(recent_drafted(rounds)) >= MIN_DRAFTED_ROUNDS
+            return max(best if measured else 0, self.fallback.next_k(k, rounds))
         if best >= minimum:
             return best
         # Drafting does not pay now; keep probing so a change (say, code after prose) is noticed.
         every = PROBE_EVERY if estimate.could_pay(maximum) else PROBE_RARELY
         probing = len(rounds) >= every and all(r.drafted == 0 for r in rounds[-(every - 1):])
         return minimum if probing else 0
+
+
+def drafting_pays(rounds: Sequence[RoundRecord], costs: CostEstimate) -> bool:
+    """Whether to keep drafting after the last round. After a fully accepted round, yes: the drafter is following
+    the text, and bursty acceptance makes the rest of such a run longer than any average predicts (the run lengths
+    of the real pair on code: 0, 20, 0, 9, 7, 0, 0, 14, 8 tokens). After a rejection, yes while the recent drafted
+    rounds' realised rate (the tokens they committed over what `costs` price them at) is at least target-only's; and
+    while too few rounds have drafted to tell. After a round without drafts, no (the caller probes)."""
+    last = rounds[-1] if rounds else None
+    if last is None or not last.drafted:
+        return False
+    if last.accepted == last.drafted:
+        return True
+    drafted = recent_drafted(rounds)[-GATE_WINDOW:]
+    if len(drafted) < MIN_DRAFTED_ROUNDS:
+        return True
+    realised = sum(r.accepted + 1 for r in drafted) / max(sum(costs.round_s(r.drafted) for r in drafted), 1e-9)
+    return realised >= costs.tokens_per_s(0)
 
 
 # The adaptive policies by the name --draft-policy takes; each is built from the DraftLength it works within.

@@ -23,7 +23,7 @@ from specmesh.runtime.engine import ModelEngine, as_engine
 from specmesh.wire.contract import Cancelled
 from specmesh.wire.history import EMPTY_HASH, TokenHistory
 from specmesh.worker.batch_window import wait_for_active_sessions
-from specmesh.worker.cost_probe import PROBE_DRAFTS, fastest_runs, probe_context
+from specmesh.worker.cost_probe import PROBE_DRAFTS, PROBE_VERIFY_DRAFTS, fastest_runs, probe_context
 from specmesh.worker.role import ModelDescription
 from specmesh.worker.session_store import Session, SessionLimits, SessionStore, kv_sessions
 from verifier.config import BatchingConfig
@@ -71,6 +71,7 @@ class VerifyEngine:
         self._answered_at: dict[str, float] = {}  # session -> when it last got an answer (monotonic)
         self._last_pass_s = 0.0
         self.verify_base_s = self.verify_per_draft_s = 0.0  # measured by warm_up
+        self.verify_costs: tuple[tuple[int, float], ...] = ()  # (drafts, seconds), measured by warm_up
 
     def verify(self, session_id: str, base_length: int, base_hash: int, new_tokens: list[int],
                drafts: list[int], dists: list[SparseDist], params: SamplingParams, seed: int,
@@ -197,20 +198,21 @@ class VerifyEngine:
                     raise request.error
                 self.end_session(request.session_id)
         self.end_session("warm-up")
-        self.verify_base_s, self.verify_per_draft_s = self._measure_costs()
+        self.verify_costs = self._measure_costs()
+        costs = dict(self.verify_costs)
+        self.verify_base_s = costs[0]
+        self.verify_per_draft_s = max(costs[PROBE_DRAFTS] - costs[0], 0.0) / PROBE_DRAFTS
 
-    def _measure_costs(self) -> tuple[float, float]:
-        """Seconds of a verify without drafts, and per extra draft, on a short context."""
+    def _measure_costs(self) -> tuple[tuple[int, float], ...]:
+        """Seconds of a verify with each of PROBE_VERIFY_DRAFTS drafts, on a short context. Every probe verifies from
+        the same context (the session rolls back to it), so the probe stays within any context limit."""
         context = probe_context(self.loaded.vocab_size)
         self.verify("cost-probe", 0, EMPTY_HASH, context, [], [], SamplingParams(), 0)
-        history = TokenHistory(context)
+        context_hash = TokenHistory(context).hash_at(len(context))
 
         def verify(drafts: int) -> None:
-            base = len(history)
-            outcome = self.verify("cost-probe", base, history.hash_at(base), [], [1] * drafts, [], SamplingParams(), 0)
-            history.extend([1] * outcome.verdict.accepted + [outcome.verdict.next_token])
+            self.verify("cost-probe", len(context), context_hash, [], [1] * drafts, [], SamplingParams(), 0)
 
-        seconds = fastest_runs({0: lambda: verify(0), PROBE_DRAFTS: lambda: verify(PROBE_DRAFTS)})
+        seconds = fastest_runs({k: (lambda k=k: verify(k)) for k in PROBE_VERIFY_DRAFTS})
         self.end_session("cost-probe")
-        base_s = seconds[0]
-        return base_s, max(seconds[PROBE_DRAFTS] - base_s, 0.0) / PROBE_DRAFTS
+        return tuple(sorted(seconds.items()))

@@ -66,8 +66,9 @@ class VerifierRole:
     def build_engine(self, config: ServerConfig) -> VerifyEngine:
         return VerifyEngine(self.config.model.load(config, self._preloaded), config.limits, self.config.batching)
 
-    def info_fields(self, engine: VerifyEngine) -> dict[str, float]:
-        return {"verify_base_s": engine.verify_base_s, "verify_per_draft_s": engine.verify_per_draft_s}
+    def info_fields(self, engine: VerifyEngine) -> dict:
+        return {"verify_base_s": engine.verify_base_s, "verify_per_draft_s": engine.verify_per_draft_s,
+                "verify_costs": [pb.VerifyCost(drafts=k, seconds=s) for k, s in engine.verify_costs]}
 
 
 @contextmanager

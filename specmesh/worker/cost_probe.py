@@ -1,5 +1,5 @@
 """Measuring what a worker's calls cost, once at warm-up: the priors the coordinator's draft length policy starts
-from before it has timed any round (Info's draft_per_token_s, verify_base_s, verify_per_draft_s)."""
+from before it has timed any round (Info's draft_per_token_s, verify_base_s, verify_per_draft_s, verify_costs)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,9 @@ from typing import TypeVar
 
 PROBE_CONTEXT_LENGTH = 32  # short: the priors describe a call on a short context
 PROBE_DRAFTS = 4
+# The draft counts a verifier's cost curve is measured at (Info's verify_costs): a pass's cost is far from linear in
+# its tokens on CPUs (one row is a matrix-vector product, more a matrix-matrix one), so one slope misprices long drafts.
+PROBE_VERIFY_DRAFTS = (0, 1, PROBE_DRAFTS, 8, 16)
 PROBE_REPEATS = 3
 
 Key = TypeVar("Key")

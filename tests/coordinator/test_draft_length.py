@@ -11,9 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coordinator.api import cost_prior, round_trip_s
-from coordinator.draft_length import (MIN_AT_RISK, POLICIES, PRIOR_ACCEPTANCE, PROBE_EVERY, PROBE_RARELY,
-                                      CostEstimate, DraftLength, RoundRecord, estimate_costs, measured_bet_hit,
-                                      measured_bet_slowdown, measured_survival, measured_tail_acceptance)
+from coordinator.draft_length import (MIN_AT_RISK, MIN_DRAFTED_ROUNDS, POLICIES, PRIOR_ACCEPTANCE, PROBE_EVERY,
+                                      PROBE_RARELY, CostEstimate, DraftLength, RoundRecord, drafting_pays,
+                                      estimate_costs, measured_bet_hit, measured_bet_slowdown, measured_survival,
+                                      measured_tail_acceptance)
 
 
 def rounds_from(pattern: list[tuple[int, int]], draft_s_per_token: float, verify_base: float,
@@ -91,8 +92,10 @@ def test_cost_policy_starts_from_the_workers_cost_prior():
     assert DraftLength(policy="cost", prior=slow_drafter).next(0, [RoundRecord(0, 0, 0.0, 1.0)]) == 0
     cheap = CostEstimate(PRIOR_ACCEPTANCE, 0.02, 1.0, 0.02)
     assert DraftLength(policy="cost", prior=cheap).first() >= 4
-    rejected = [RoundRecord(0, 0, 0.0, 1.0), RoundRecord(6, 0, 0.12, 1.1)]
-    assert DraftLength(policy="cost", prior=cheap).next(6, rejected) == 0, "nothing accepted: drafting does not pay"
+    one_rejected = [RoundRecord(0, 0, 0.0, 1.0), RoundRecord(6, 0, 0.12, 1.1)]
+    assert DraftLength(policy="cost", prior=cheap).next(6, one_rejected) == 5, "one round is too little to tell"
+    rejected = one_rejected + [RoundRecord(5, 0, 0.1, 1.1), RoundRecord(4, 0, 0.08, 1.1)]
+    assert DraftLength(policy="cost", prior=cheap).next(4, rejected) == 0, "nothing accepted: drafting does not pay"
     assert DraftLength(policy="heuristic", prior=cheap).first() == 4  # the heuristic ignores costs
 
 
@@ -148,10 +151,16 @@ def test_pipelined_round_time_hides_the_draft_when_the_bet_wins():
 
 
 def test_the_cost_policy_drafts_where_only_the_pipelined_bet_makes_it_pay():
-    prior = CostEstimate(0.8, 0.55, 1.0, 0.3)  # a draft token plus its verify share cost more than it is worth...
-    assert DraftLength(policy="cost", prior=prior).first() == 0
+    prior = CostEstimate(0.8, 0.55, 1.0, 0.3)  # a draft token plus its verify share cost 0.85 of a target pass
+    # Only near-certain acceptance would pay: both start drafting, and the rounds decide.
+    assert DraftLength(policy="cost", prior=prior).first() == DraftLength(policy="cost", prior=prior,
+                                                                           pipelined=True).first() == 4
+    rounds = [RoundRecord(0, 0, 0.0, 1.0), RoundRecord(4, 3, 2.2, 2.2), RoundRecord(3, 3, 1.65, 1.9),
+              RoundRecord(5, 4, 2.75, 2.5)]
+    # At 83% acceptance the drafts cost more than they are worth...
+    assert DraftLength(policy="cost", prior=prior).next(5, rounds) == 0
     # ... unless the drafter, on its own core, drafts during the verify
-    assert DraftLength(policy="cost", prior=prior, pipelined=True).first() >= 1
+    assert DraftLength(policy="cost", prior=prior, pipelined=True).next(5, rounds) >= 1
 
 
 def test_bet_hit_rate_counts_fully_accepted_rounds_with_a_bet():
@@ -263,3 +272,98 @@ def test_survival_must_be_a_non_increasing_probability():
         CostEstimate(0.8, 0.1, 1.0, 0.1, survival=(0.5, 0.7))
     with pytest.raises(ValueError, match="tail_acceptance"):
         CostEstimate(0.8, 0.1, 1.0, 0.1, survival=(0.5,), tail_acceptance=1.5)
+
+
+# ---- the verify cost curve, and following runs ----
+
+# The real pair's costs on this project's 2-core CPU (transformers engine, float32, seconds): a verify with 0, 1, 4, 8
+# and 16 drafts, and a draft token. One row is a matrix-vector product, two or more a matrix-matrix one.
+REAL_CURVE = ((0, 0.47), (1, 0.78), (4, 0.92), (8, 1.03), (16, 1.32))
+REAL_DRAFT_S = 0.164
+
+
+def test_verify_cost_follows_the_measured_curve():
+    costs = CostEstimate(0.7, REAL_DRAFT_S, 0.47, 0.11, verify_curve=REAL_CURVE)
+    assert [costs.verify_s(k) for k in (0, 1, 4, 16)] == pytest.approx([0.47, 0.78, 0.92, 1.32])
+    assert costs.verify_s(2) == pytest.approx(0.78 + 0.14 / 3), "between points: linear"
+    assert costs.verify_s(20) == pytest.approx(1.32 + 4 * 0.29 / 8), "past the last point: the last segment's slope"
+    assert CostEstimate(0.7, 0.1, 0.5, 0.1).verify_s(4) == pytest.approx(0.9), "no curve: the line"
+    for bad in [((1, 0.5), (4, 0.9)), ((0, 0.5), (4, 0.9), (2, 0.7)), ((0, -0.1),)]:
+        with pytest.raises(ValueError, match="verify_curve"):
+            CostEstimate(0.7, 0.1, 0.5, 0.1, verify_curve=bad)
+
+
+def test_the_curve_prices_long_drafts_at_what_they_cost():
+    """A line through 0 and 4 drafts prices 16 drafts at 2.3 s where they cost 1.32 s, and 1 draft at 0.58 s where
+    it costs 0.78 s: with the curve, long drafts pay and a single draft does not; the line says the opposite."""
+    curve = CostEstimate(0.95, REAL_DRAFT_S, 0.47, (0.92 - 0.47) / 4, verify_curve=REAL_CURVE)
+    line = replace(curve, verify_curve=())
+    assert line.verify_s(16) > 1.5 * curve.verify_s(16)
+    assert curve.best_k(16) >= 8 > line.best_k(16)
+    assert curve.tokens_per_s(1) < curve.tokens_per_s(0) < line.tokens_per_s(1)
+
+
+def test_the_prior_reads_the_verifiers_cost_curve():
+    drafter = SimpleNamespace(draft_per_token_s=0.1)
+    points = [SimpleNamespace(drafts=k, seconds=s) for k, s in reversed(REAL_CURVE)]
+    verifier = SimpleNamespace(verify_base_s=0.47, verify_per_draft_s=0.11, verify_costs=points)
+    assert cost_prior(verifier, drafter).verify_curve == REAL_CURVE
+    older = SimpleNamespace(verify_base_s=0.47, verify_per_draft_s=0.11)  # a verifier that sends only the line
+    assert cost_prior(older, drafter).verify_curve == ()
+
+
+def test_the_cost_policy_follows_a_run_and_stops_where_drafting_does_not_pay():
+    prior = CostEstimate(PRIOR_ACCEPTANCE, REAL_DRAFT_S, 0.47, 0.11, verify_curve=REAL_CURVE)
+    policy = DraftLength(policy="cost", prior=prior)
+    assert policy.first() == DraftLength.initial, "drafting could pay: the rounds will tell"
+    poor = [RoundRecord(0, 0, 0.0, 0.5), *[RoundRecord(6, 1, 1.0, 1.0)] * MIN_DRAFTED_ROUNDS]
+    assert not drafting_pays(poor, prior) and policy.next(6, poor) == 0
+    # The same rounds followed by a fully accepted one: the drafter is following the text, keep drafting longer.
+    assert drafting_pays([*poor, RoundRecord(1, 1, 0.2, 0.8)], prior)
+    assert policy.next(1, [*poor, RoundRecord(1, 1, 0.2, 0.8)]) >= 3
+    good = [RoundRecord(0, 0, 0.0, 0.5), *[RoundRecord(8, 7, 1.3, 1.0)] * MIN_DRAFTED_ROUNDS]
+    assert drafting_pays(good, prior) and policy.next(8, good) >= 7, "a rejection among long accepted runs"
+    never = DraftLength(policy="cost", prior=CostEstimate(0.7, 0.6, 1.0, 0.7))
+    assert never.first() == 0 and never.next(0, [RoundRecord(0, 0, 0.0, 1.0), RoundRecord(4, 4, 2.4, 3.8)]) == 0, \
+        "drafting cannot pay even when every draft is accepted: a full round does not restart it"
+
+
+def simulated_speedup(policy: DraftLength, runs: list[int], costs: CostEstimate) -> float:
+    """Tokens per second of `policy` over a text where the drafter agrees with the target for runs[p] tokens from
+    position p on, priced by `costs`, relative to target-only decoding."""
+    position, rounds, seconds, k = 0, [], 0.0, policy.first()
+    while position < len(runs):
+        drafted = min(k, len(runs) - position - 1)
+        accepted = min(runs[position], drafted)
+        rounds.append(RoundRecord(drafted, accepted, drafted * costs.draft_s_per_token, costs.verify_s(drafted)))
+        seconds += costs.round_s(drafted)
+        position += accepted + 1
+        k = policy.next(k, rounds)
+    return len(runs) / seconds * costs.round_s(0)
+
+
+def run_lengths(agrees: list[bool]) -> list[int]:
+    """runs[p]: how many positions from p on the drafter agrees with the target."""
+    runs, following = [], 0
+    for agree in reversed(agrees):
+        following = following + 1 if agree else 0
+        runs.append(following)
+    return runs[::-1]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_cost_policy_keeps_up_with_the_heuristic_on_bursty_text_and_beats_it_on_poor_text(seed):
+    """Simulated on the real pair's costs: bursty text (long agreeing runs between disagreements, as in code and
+    quoted input) and poor text (each token agrees with probability 0.6, independently, as in prose)."""
+    import random
+    rng = random.Random(seed)
+    bursty: list[bool] = []
+    while len(bursty) < 256:
+        bursty += [False] * rng.choice([1, 1, 2]) + [True] * rng.choice([3, 6, 10, 20, 35])
+    poor = [rng.random() < 0.6 for _ in range(256)]
+    costs = CostEstimate(PRIOR_ACCEPTANCE, REAL_DRAFT_S, 0.47, 0.11, verify_curve=REAL_CURVE)
+    cost, heuristic = DraftLength(policy="cost", prior=costs), DraftLength(policy="heuristic")
+    on_bursty = [simulated_speedup(p, run_lengths(bursty[:256]), costs) for p in (cost, heuristic)]
+    assert on_bursty[0] > 1.1 and on_bursty[0] >= 0.9 * on_bursty[1]
+    on_poor = [simulated_speedup(p, run_lengths(poor), costs) for p in (cost, heuristic)]
+    assert on_poor[0] >= 0.85 and on_poor[0] > on_poor[1]

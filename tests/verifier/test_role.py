@@ -6,6 +6,7 @@ import pytest
 
 from specmesh.runtime.engine import as_engine
 from specmesh.worker.config import ModelConfig, ServerConfig
+from specmesh.worker.cost_probe import PROBE_VERIFY_DRAFTS
 from specmesh.worker.role import ModelDescription
 from verifier.config import BatchingConfig, VerifierConfig
 from verifier.service import VerifierRole
@@ -28,8 +29,13 @@ def test_role_builds_a_verify_engine_with_its_settings_and_reports_measured_cost
     engine = role.build_engine(ServerConfig())
     assert (engine.max_batch_size, engine.max_batch_wait_s) == (3, 0.5)
     assert engine.description == ModelDescription.of(as_engine(tiny_target))
-    assert role.info_fields(engine) == {"verify_base_s": 0.0, "verify_per_draft_s": 0.0}  # not measured yet
+    assert role.info_fields(engine) == {"verify_base_s": 0.0, "verify_per_draft_s": 0.0,
+                                        "verify_costs": []}  # not measured yet
     engine.warm_up()
     fields = role.info_fields(engine)
     assert fields["verify_base_s"] > 0 and fields["verify_per_draft_s"] >= 0
+    # The cost curve at every probed draft count, the line's base among them.
+    assert [c.drafts for c in fields["verify_costs"]] == list(PROBE_VERIFY_DRAFTS)
+    assert fields["verify_costs"][0].seconds == fields["verify_base_s"]
+    assert all(c.seconds > 0 for c in fields["verify_costs"])
     assert len(engine.sessions) == 0  # the warm-up and the cost probe leave no session behind

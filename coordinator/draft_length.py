@@ -43,6 +43,7 @@ Policies are pure functions of the round history, so they are unit-testable and 
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
@@ -97,7 +98,7 @@ class CostEstimate:
     # Measured (drafts, verify seconds) points, drafts ascending from 0: v(k) by linear interpolation between them and
     # the last segment's slope past them. A pass over a few tokens is far from linear in their number on CPUs (one
     # row runs a matrix-vector kernel, two or more a matrix-matrix one: 1.5B float32 here, 0.47 s for 0 drafts,
-    # 0.78 s for 1, 0.92 s for 4, 1.32 s for 16); a line through 0 and 4 drafts would price 16 at 2.1 s.
+    # 0.78 s for 1, 0.92 s for 4, 1.32 s for 16); a line through 0 and 4 drafts would price 16 at 2.3 s.
     verify_curve: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
@@ -125,8 +126,9 @@ class CostEstimate:
             return self.verify_s_base + self.verify_s_per_token * k
         if len(curve) == 1:
             return curve[0][1]
-        index = next((i for i, (drafts, _) in enumerate(curve) if drafts >= k), len(curve) - 1)
-        (k0, s0), (k1, s1) = curve[max(index - 1, 0)], curve[max(index, 1)]
+        # The segment ending at the first point at or past k; past the last point, the last segment.
+        end = min(max(bisect_left([drafts for drafts, _ in curve], k), 1), len(curve) - 1)
+        (k0, s0), (k1, s1) = curve[end - 1], curve[end]
         return max(s0 + (s1 - s0) * (k - k0) / (k1 - k0), 0.0)
 
     def reach(self, j: int) -> float:
@@ -358,7 +360,8 @@ class CostPolicy:
             return self.fallback.next_k(k, rounds)
         minimum, maximum = self.length.minimum, self.length.maximum
         best = estimate.best_k(maximum)
-        if estimate.could_pay(maximum) and drafting_pays(rounds, estimate):
+        could_pay = estimate.could_pay(maximum)
+        if could_pay and drafting_pays(rounds, estimate):
             # Follow the run as the heuristic does (+2 after a full acceptance, -1 after a rejection), or, once a few
             # rounds have measured acceptance, draft what the model finds best where that is longer (cheap drafts:
             # an n-gram drafter, a hidden pipelined bet).
@@ -367,7 +370,7 @@ class CostPolicy:
         if best >= minimum:
             return best
         # Drafting does not pay now; keep probing so a change (say, code after prose) is noticed.
-        every = PROBE_EVERY if estimate.could_pay(maximum) else PROBE_RARELY
+        every = PROBE_EVERY if could_pay else PROBE_RARELY
         probing = len(rounds) >= every and all(r.drafted == 0 for r in rounds[-(every - 1):])
         return minimum if probing else 0
 

@@ -70,7 +70,6 @@ class VerifyEngine:
         self._queue: deque[_Request] = deque()
         self._answered_at: dict[str, float] = {}  # session -> when it last got an answer (monotonic)
         self._last_pass_s = 0.0
-        self.verify_base_s = self.verify_per_draft_s = 0.0  # measured by warm_up
         self.verify_costs: tuple[tuple[int, float], ...] = ()  # (drafts, seconds), measured by warm_up
 
     def verify(self, session_id: str, base_length: int, base_hash: int, new_tokens: list[int],
@@ -199,9 +198,18 @@ class VerifyEngine:
                 self.end_session(request.session_id)
         self.end_session("warm-up")
         self.verify_costs = self._measure_costs()
+
+    @property
+    def verify_base_s(self) -> float:
+        """Seconds of a verify without drafts (0 until measured)."""
+        return dict(self.verify_costs).get(0, 0.0)
+
+    @property
+    def verify_per_draft_s(self) -> float:
+        """The line through 0 and PROBE_DRAFTS drafts, per draft: what verifiers reported before verify_costs
+        (0 until measured)."""
         costs = dict(self.verify_costs)
-        self.verify_base_s = costs[0]
-        self.verify_per_draft_s = max(costs[PROBE_DRAFTS] - costs[0], 0.0) / PROBE_DRAFTS
+        return max(costs[PROBE_DRAFTS] - costs[0], 0.0) / PROBE_DRAFTS if costs else 0.0
 
     def _measure_costs(self) -> tuple[tuple[int, float], ...]:
         """Seconds of a verify with each of PROBE_VERIFY_DRAFTS drafts, on a short context. Every probe verifies from

@@ -188,6 +188,9 @@ class Reply:
         return self.chunk([{"index": index, "text": text or "", "finish_reason": finish, "logprobs": None}])
 
 
+FINAL_EVENTS = ("end", "failed", "cancelled")
+
+
 def generate_into(coordinator: Coordinator, prompt_ids: list[int], choices: list[GenerationOptions],
                   put: Callable[[tuple], None], cancel: CancelToken) -> None:
     """Run the generations one after the other (in a thread), handing ("text", index, text), ("done", index, result),
@@ -224,11 +227,25 @@ class Generation:
                 pass  # the event loop has closed (server stopped): nobody is listening
 
         def run() -> None:
+            # The last event (end, failed, cancelled) is held back until the slot is released, both on the loop in
+            # one callback: a client that has its answer finds the capacity it freed already free.
+            last: list[tuple] = []
+
+            def put_or_hold(item: tuple) -> None:
+                (last.append if item[0] in FINAL_EVENTS else put)(item)
+
+            def finish() -> None:
+                release()
+                for item in last:
+                    self.events.put_nowait(item)
             try:
-                generate_into(coordinator, prompt_ids, choices, put, cancel)
+                generate_into(coordinator, prompt_ids, choices, put_or_hold, cancel)
+            except Exception as e:  # a bug, not a worker fault: still answer the client, and say why
+                log.exception("generation crashed")
+                last[:] = [("failed", None, e)]
             finally:
                 try:
-                    loop.call_soon_threadsafe(release)
+                    loop.call_soon_threadsafe(finish)
                 except RuntimeError:
                     pass
         executor.submit(run)

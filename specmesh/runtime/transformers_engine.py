@@ -10,6 +10,7 @@ import torch
 
 from specmesh.runtime.batched_forward import batched_logits, can_batch
 from specmesh.runtime.devices import dtype_name
+from specmesh.runtime.file_embedding import file_backed_bytes
 from specmesh.runtime.kv_cache import CachedSequence
 from specmesh.runtime.models import LoadedModel
 from specmesh.runtime.model_thread import ModelThread
@@ -29,9 +30,10 @@ class _ThreadedSequence(CachedSequence):
 
 
 def weights_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the parameters and buffers (oneDNN linears use the layers' own weights, see onednn.py)."""
+    """Bytes of the parameters and buffers (oneDNN linears use the layers' own weights, see onednn.py), and of a token
+    embedding read from the checkpoint file (file_embedding.py)."""
     tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}  # tied weights count once
-    return sum(t.numel() * t.element_size() for t in tensors.values())
+    return sum(t.numel() * t.element_size() for t in tensors.values()) + file_backed_bytes(model)
 
 
 class TransformersEngine:

@@ -38,7 +38,7 @@ def test_benchmark_scripts_are_the_coordinator_commands(name, module, monkeypatc
     assert options(run.stdout) == options(module.build_parser("coordinator bench").format_help())
 
 
-@pytest.mark.parametrize("name", ["chaos.py", "fuzz.py", "profile_round.py", "profile_cores.py"])
+@pytest.mark.parametrize("name", ["chaos.py", "fuzz.py", "profile_round.py", "profile_cores.py", "worker_memory.py"])
 def test_tool_scripts_start(name):
     run = script(name, "--help")
     assert run.returncode == 0, run.stderr
@@ -68,3 +68,14 @@ def test_profile_cores_omp_team_experiment_on_a_tiny_model():
     assert run.returncode == 0, run.stderr
     assert [line.split(" one-token")[0].strip() for line in run.stdout.splitlines()] == [
         "alone", "another thread holds an OpenMP team", "that thread has ended"]
+
+
+def test_worker_memory_reads_both_workers_and_fails_a_worker_over_its_ratio():
+    # A tiny model's weights are kilobytes beside the runtime's few hundred MiB: far over 1.15x, so the check fails.
+    run = script("worker_memory.py", "--target-model", "tiny-random-qwen2", "--draft-model", "tiny-random-qwen2",
+                 "--dtype", "float64", "--generations", "3", "--max-new-tokens", "4", "--threads", "1")
+    assert run.returncode == 1, run.stderr
+    rows = [line for line in run.stdout.splitlines() if line.startswith(("| verifier ", "| drafter "))]
+    assert len(rows) == 2 and all("x) |" in row for row in rows)
+    assert "FAILED: verifier holds more than 1.15x its weights" in run.stderr
+    assert "FAILED: drafter holds more than 1.15x its weights" in run.stderr

@@ -1,8 +1,8 @@
 """What the workers hold: each one's resident set against its weights, after warm-up and after many generations.
 
-Starts a verifier and a drafter subprocess on the default pair (or the models given), reads `Info` (resident bytes,
-weights' bytes) once both have warmed up, runs --generations speculative generations over the prompt set (cycled, so
-that new tokens keep arriving), then reads `Info` again. Exits 1 when a worker holds more than --max-ratio times its
+Starts a verifier and a drafter subprocess on the default pair (or the models given), warms them up with one
+generation per prompt of the prompt set, reads `Info` (resident bytes, weights' bytes), runs --generations more
+speculative generations over the same prompts (cycled), reading `Info` every 10, then reads it once more. Exits 1 when a worker holds more than --max-ratio times its
 weights or grew by more than --max-growth between the two readings.
 
     python scripts/worker_memory.py --engine transformers --dtype float32
@@ -53,16 +53,23 @@ def main(argv: list[str] | None = None) -> int:
     with local_workers(specs, one_at_a_time=True) as addresses, \
             Coordinator(addresses["verifier"], addresses["drafter"]) as coordinator:
         encoded = [coordinator.encode_prompt(p["prompt"], chat=True) for p in prompts]
-        coordinator.generate(list(encoded[0]), GenerationOptions(max_new_tokens=8))
+        options = GenerationOptions(max_new_tokens=args.max_new_tokens)
+        # Warm-up: every prompt once, so that each prompt's shapes have met the allocators before the first reading.
+        for i, prompt in enumerate(encoded):
+            coordinator.generate(list(prompt), options)
+            print(f"\rwarm-up {i + 1}/{len(encoded)}", end="", file=sys.stderr, flush=True)
         warm = readings(coordinator)
+        trail = []  # the readings on the way, every 10 generations: growth that goes on, or a plateau
         for i, prompt in zip(range(args.generations), itertools.cycle(encoded)):
-            coordinator.generate(list(prompt), GenerationOptions(max_new_tokens=args.max_new_tokens))
+            coordinator.generate(list(prompt), options)
             print(f"\rgeneration {i + 1}/{args.generations}", end="", file=sys.stderr, flush=True)
+            if (i + 1) % 10 == 0:
+                trail.append(readings(coordinator))
         print(file=sys.stderr)
         after = readings(coordinator)
 
-    print(f"engine {args.engine}, {args.dtype}; {args.generations} generations of up to {args.max_new_tokens} tokens "
-          f"over {len(prompts)} prompts")
+    print(f"engine {args.engine}, {args.dtype}; warm-up: each of {len(prompts)} prompts once; then {args.generations} "
+          f"generations of up to {args.max_new_tokens} tokens over the same prompts")
     print("| worker | weights | after warm-up | after the generations | growth |")
     print("| --- | ---: | ---: | ---: | ---: |")
     failed = []
@@ -75,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
             failed.append(f"{role} holds more than {args.max_ratio}x its weights")
         if growth > args.max_growth:
             failed.append(f"{role} grew {100 * growth:.1f}% (allowed {100 * args.max_growth:.0f}%)")
+    for role in ("verifier", "drafter"):
+        print(f"{role}, resident every 10 generations: " + ", ".join(f"{r[role][0] / GIB:.3f}" for r in trail) + " GiB")
     for message in failed:
         print(f"FAILED: {message}", file=sys.stderr)
     return 1 if failed else 0

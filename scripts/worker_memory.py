@@ -2,8 +2,9 @@
 
 Starts a verifier and a drafter subprocess on the default pair (or the models given), warms them up with one
 generation per prompt of the prompt set, reads `Info` (resident bytes, weights' bytes), runs --generations more
-speculative generations over the same prompts (cycled), reading `Info` every 10, then reads it once more. Exits 1 when a worker holds more than --max-ratio times its
-weights or grew by more than --max-growth between the two readings.
+speculative generations over the same prompts (cycled), reading `Info` every 10, then reads it once more. Exits 1
+when a worker holds more than --max-ratio times its weights or grew by more than --max-growth between the warm-up
+reading and the last.
 
     python scripts/worker_memory.py --engine transformers --dtype float32
 """

@@ -68,11 +68,10 @@ def untied_embedding(model: torch.nn.Module) -> torch.nn.Embedding | None:
     embedding = get_input() if get_input is not None else None
     if not isinstance(embedding, torch.nn.Embedding):
         return None
-    weight = embedding.weight
-    if any(p is not weight and p.data_ptr() == weight.data_ptr() for p in model.parameters()):
-        return None
-    output = getattr(model, "get_output_embeddings", lambda: None)()
-    return None if output is not None and getattr(output, "weight", None) is weight else embedding
+    # Every name a parameter is reached by (a tied output layer is the same Parameter under a second name).
+    sharing = [p for _, p in model.named_parameters(remove_duplicate=False)
+               if p.data_ptr() == embedding.weight.data_ptr()]
+    return embedding if len(sharing) == 1 else None
 
 
 def hold_weights_once(model: torch.nn.Module) -> str:

@@ -2,6 +2,11 @@
 streaming as server-sent events), /v1/models and /health. Generations run in worker threads, so concurrent requests
 are served concurrently; each is one session on the verifier fleet.
 
+Every error is answered in OpenAI's shape ({"error": {"message", "type", "param", "code"}}), and whatever of the
+request an error message echoes goes through `printable` (specmesh/wire/printable.py): a lone surrogate, a control
+character or a megabyte string in any field gets a 4xx with a short, valid UTF-8 message, never a 500. `LastResort`
+answers anything that still escapes (a bug) in the same shape.
+
 Admission (coordinator/admission.py) bounds the generations running and the requests waiting for one; the rest are
 refused at once (429, Retry-After). A client that disconnects cancels its generation (coordinator/cancel.py): the
 RPCs in flight are cancelled and the workers' sessions ended, so nothing more is computed for it."""
@@ -13,6 +18,7 @@ import json
 import logging
 import threading
 import time
+import traceback
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -23,20 +29,23 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field, field_validator
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from coordinator.admission import RETRY_AFTER_S, Admission, AdmissionConfig, Refused
 from coordinator.api import Coordinator, GenerationFailed, GenerationOptions, GenerationResult
 from coordinator.cancel import CancelToken, GenerationCancelled
 from coordinator.draft_length import DEFAULT_POLICY
+from specmesh.wire.printable import printable
 
 log = logging.getLogger("specmesh.http")
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "error": "error"}
 
 
-def unicode_text(text: str | list[str]) -> str | list[str]:
-    """JSON escapes can spell lone surrogates (\\ud800), which no tokenizer encodes: refuse them as bad input."""
-    for piece in [text] if isinstance(text, str) else text:
+def unicode_text(text: str | list[str] | None) -> str | list[str] | None:
+    """JSON escapes (and raw bytes that Python's JSON decoder lets through) can spell lone surrogates (\\ud800), which
+    no tokenizer encodes: refuse them as bad input."""
+    for piece in [] if text is None else [text] if isinstance(text, str) else text:
         try:
             piece.encode("utf-8")
         except UnicodeEncodeError as e:
@@ -63,6 +72,8 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
 
+    _unicode_stop = field_validator("stop")(unicode_text)  # matched against generated text, and recorded
+
 
 class CompletionRequest(_Common):
     prompt: str | list[str]
@@ -82,10 +93,42 @@ class ChatRequest(_Common):
     max_completion_tokens: int | None = Field(default=None, ge=1)
 
 
+MESSAGE_LIMIT = 1000  # characters of an error message, whatever of the request it quotes
+PARAM_LIMIT = 200
+
+
+def _printable_tree(value: Any) -> Any:
+    """A JSON-able value with every string (and key) printable and every float finite."""
+    if isinstance(value, dict):
+        return {printable(k, PARAM_LIMIT): _printable_tree(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_printable_tree(v) for v in value]
+    if value is None or isinstance(value, (bool, int)):
+        return value
+    if isinstance(value, float):
+        return value if value == value and abs(value) != float("inf") else None
+    return printable(value, 10 * MESSAGE_LIMIT)
+
+
+class SafeJSONResponse(JSONResponse):
+    """A JSON response that always renders: should a value hold text UTF-8 cannot encode (a lone surrogate) or
+    anything else JSON cannot hold, it is sent in printable form instead of failing the response (a 500)."""
+
+    def render(self, content: Any) -> bytes:
+        try:
+            return super().render(content)
+        except (TypeError, ValueError):  # UnicodeEncodeError is a ValueError; so is a NaN
+            return json.dumps(_printable_tree(content), ensure_ascii=True, allow_nan=False,
+                              separators=(",", ":")).encode("ascii")
+
+
 def error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
           code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(status_code=status, headers=headers,
-                        content={"error": {"message": message, "type": kind, "param": param, "code": code}})
+    """OpenAI's error shape. The message and param may quote the request: both are made printable (valid UTF-8, no
+    control characters, bounded length) here, whoever built them."""
+    return SafeJSONResponse(status_code=status, headers=headers, content={"error": {
+        "message": printable(message, MESSAGE_LIMIT), "type": kind,
+        "param": None if param is None else printable(param, PARAM_LIMIT), "code": code}})
 
 
 def refusal(refused: Refused) -> JSONResponse:
@@ -98,8 +141,55 @@ def refusal(refused: Refused) -> JSONResponse:
 async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
     """A body that fails validation: OpenAI's 400 invalid_request_error naming the first bad field."""
     first = exc.errors()[0] if exc.errors() else {}
-    param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-    return error(400, f"{param or 'request'}: {first.get('msg', 'invalid request')}", param=param)
+    param = ".".join(printable(p, 60) for p in first.get("loc", ())[1:]) or None
+    return error(400, f"{param or 'request'}: {printable(first.get('msg', 'invalid request'))}", param=param)
+
+
+async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """Starlette's and FastAPI's own errors in OpenAI's shape: 404 for an unknown route, 405 for a wrong method, 400
+    for a JSON body that is not even text (invalid UTF-8)."""
+    message = str(exc.detail)
+    if exc.status_code in (404, 405):
+        message = f"{message}: {printable(request.method, 20)} {printable(request.url.path)}"
+    return error(exc.status_code, message, kind="invalid_request_error" if exc.status_code < 500 else "server_error",
+                 headers=exc.headers)
+
+
+class LastResort:
+    """ASGI middleware, outermost: an exception that escapes everything else before a response has started (a bug,
+    or an error response that could not be built) is still answered in OpenAI's shape with a printable message: 400
+    for text that is not valid Unicode (only a request brings that), 500 otherwise. After the response has started
+    there is nothing left to answer with: the exception goes on to the server."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def watched_send(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched_send)
+        except Exception as e:
+            if started:
+                raise
+            where = f"{printable(scope.get('method'), 20)} {printable(scope.get('path'))}"
+            if isinstance(e, UnicodeError):
+                log.warning("%s: text that is not valid Unicode: %s", where, printable(e))
+                response = error(400, "the request holds text that is not valid Unicode", code="invalid_unicode")
+            else:
+                # Where it happened, and what it says: the message may quote the request, so printable and bounded.
+                trace = printable("".join(traceback.format_tb(e.__traceback__)), 20_000, newlines=True)
+                log.error("%s: unhandled %s: %s\n%s", where, type(e).__name__, printable(e, MESSAGE_LIMIT), trace)
+                response = error(500, f"the server failed on this request ({type(e).__name__}); it keeps serving",
+                                 kind="server_error", code="internal_error")
+            await response(scope, receive, send)
 
 
 class BodyTooLarge(HTTPException):
@@ -274,7 +364,8 @@ class GenerationStream(StreamingResponse):
 
 
 def unavailable(e: Exception, code: str) -> dict:
-    return {"error": {"message": str(e), "type": "service_unavailable_error", "param": None, "code": code}}
+    return {"error": {"message": printable(e, MESSAGE_LIMIT), "type": "service_unavailable_error", "param": None,
+                      "code": code}}
 
 
 async def stream_events(generation: Generation, prompt_tokens: int, n_choices: int, reply: Reply,
@@ -366,14 +457,14 @@ class CompletionsAPI:
         """One GenerationOptions per choice (n), each within the workers' limits (draft length, context); or the
         error response (404 for another model, 400 for what the workers would refuse), before anything streams."""
         if body.model != self.model_name:
-            return error(404, f"The model `{body.model}` does not exist; this server serves `{self.model_name}`.",
-                         param="model", code="model_not_found")
+            return error(404, f"The model `{printable(body.model, 100)}` does not exist; this server serves "
+                         f"`{self.model_name}`.", param="model", code="model_not_found")
         try:
             choices = [self.options_for(body, max_tokens, chat, i) for i in range(body.n)]
             for options in choices:
                 self.coordinator.check(len(prompt_ids), options)
         except ValueError as e:
-            return error(400, str(e))
+            return error(400, printable(e, MESSAGE_LIMIT))
         return choices
 
     async def respond(self, request: Request, prompt_ids: list[int], body: _Common, max_tokens: int | None,
@@ -418,7 +509,7 @@ class CompletionsAPI:
             if what == "done":
                 results.append(payload)
             elif what in ("failed", "cancelled"):
-                return JSONResponse(status_code=503, content=unavailable(
+                return SafeJSONResponse(status_code=503, content=unavailable(
                     payload, "generation_failed" if what == "failed" else "cancelled"))
             elif what == "end":
                 return reply.completion(results, prompt_tokens)
@@ -429,11 +520,14 @@ def create_app(coordinator: Coordinator, default_max_tokens: int = 256, draft_to
                admission: AdmissionConfig = AdmissionConfig(), max_body_bytes: int = 1024 * 1024) -> FastAPI:
     """The app; `app.state.completions` is its CompletionsAPI (admission, cancel_all) for the server around it."""
     api = CompletionsAPI(coordinator, default_max_tokens, draft_tokens, draft_policy, pipeline, admission)
-    app = FastAPI(title="specmesh", description="OpenAI-compatible API over distributed speculative decoding")
+    app = FastAPI(title="specmesh", description="OpenAI-compatible API over distributed speculative decoding",
+                  default_response_class=SafeJSONResponse)
     app.state.completions = api
     app.add_exception_handler(RequestValidationError, invalid_request)
+    app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(BodyTooLarge, body_too_large)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    app.add_middleware(LastResort)  # added last: the outermost of the two
     app.add_api_route("/health", api.health, methods=["GET"])
     app.add_api_route("/v1/models", api.models, methods=["GET"])
     app.add_api_route("/v1/completions", api.completions, methods=["POST"])

@@ -33,8 +33,8 @@ from specmesh.runtime.models import load_model
 
 # The request strategies are the test suite's (tests/ is not an installed package): reach them from the checkout.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tests.fuzz_strategies import (END, HTTP_REQUEST, PROPER, PROPOSE, VERIFY, call, http_call,  # noqa: E402
-                                   send_garbage)
+from tests.fuzz_strategies import (END, FOUND_END, FOUND_HTTP, FOUND_PROPOSE, FOUND_VERIFY, HTTP_REQUEST,  # noqa: E402
+                                   PROPER, PROPOSE, VERIFY, call, found, http_call, send_garbage)
 from tests.helpers import reference_greedy  # noqa: E402
 
 
@@ -92,17 +92,19 @@ def main() -> int:
 
         fuzz = settings(max_examples=args.examples, deadline=None, database=None, derandomize=False,
                         suppress_health_check=list(HealthCheck))
-        def fuzzer(kind: str, strategy, method):
+        def fuzzer(kind: str, strategy, method, found_before):
             @fuzz
             @given(request=strategy)
+            @found("request", found_before)  # every input found failing so far first, then random ones
             def run(request) -> None:
                 record(kind, call(method, request, args.timeout), request)
             return run
 
-        for kind, strategy, method in (("Verify", VERIFY, clients["verifier"].stub.Verify),
-                                       ("Propose", PROPOSE, clients["drafter"].stub.Propose),
-                                       ("EndSession", END, clients["verifier"].stub.EndSession)):
-            fuzzer(kind, strategy, method)()
+        for kind, strategy, method, found_before in (
+                ("Verify", VERIFY, clients["verifier"].stub.Verify, FOUND_VERIFY),
+                ("Propose", PROPOSE, clients["drafter"].stub.Propose, FOUND_PROPOSE),
+                ("EndSession", END, clients["verifier"].stub.EndSession, FOUND_END)):
+            fuzzer(kind, strategy, method, found_before)()
             print(f"{kind}: {sum(n for (k, _), n in answers.items() if k == kind)} requests", file=sys.stderr)
 
         rng = random.Random(args.seed)
@@ -121,6 +123,7 @@ def main() -> int:
 
         @settings(fuzz, max_examples=args.http_examples)
         @given(request=HTTP_REQUEST)
+        @found("request", FOUND_HTTP)
         def fuzz_http(request) -> None:
             status, failed = http_call(http, *request)
             answers[("HTTP", str(status))] += 1

@@ -5,8 +5,35 @@ import uuid
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 from specmesh.runtime.models import load_model
+
+
+def _fixed_hypothesis() -> None:
+    """Hypothesis draws the same examples on every run, so that `make test` is red only for a change that breaks
+    something (the randomized, open-ended campaign is scripts/fuzz.py): each test's examples come from a seed derived
+    from the test itself (derandomize), no example database is read or written (.hypothesis/ is not committed), and
+    no health check depends on timing. tests/test_fuzz.py also says so in its own settings.
+
+    One more source of variation: now and then hypothesis draws a constant it collects from the project's (non-test)
+    modules loaded in the process, and which are loaded depends on the tests this process ran before (pytest-xdist
+    deals the files out by timing). That pool is pinned empty here, for every test of the process (it is a
+    process-wide cache); tests/test_fuzz.py checks that the pin holds with the installed hypothesis."""
+    settings.register_profile("fixed", derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow])
+    settings.load_profile("fixed")
+    try:
+        from hypothesis.internal.conjecture import providers
+        from hypothesis.internal.constants_ast import Constants
+    except ImportError:  # a hypothesis without the pool
+        return
+    if hasattr(providers, "_get_local_constants") and hasattr(providers, "CONSTANTS_CACHE"):
+        nothing = Constants()
+        providers._get_local_constants = lambda: nothing
+        providers.CONSTANTS_CACHE.cache.clear()
+
+
+_fixed_hypothesis()
 
 # Every process a test starts inherits this variable (a name outside SPECMESH_*, which local workers do not pass on):
 # at the end of the session, any process still carrying this run's value was left behind, even one whose parent has

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import grpc
 
+from specmesh.wire.printable import printable
+
 TOKEN_ENV = "SPECMESH_TOKEN"
 TOKEN_FILE_ENV = "SPECMESH_TOKEN_FILE"
 _UNAUTHENTICATED_METHODS = ("/grpc.health.v1.Health/",)
@@ -33,7 +35,7 @@ def _read(path: str | None, what: str) -> bytes | None:
     try:
         return Path(path).read_bytes()
     except OSError as e:
-        raise ValueError(f"cannot read {what} {path!r}: {e.strerror}") from None
+        raise ValueError(f"cannot read {what} '{printable(path)}': {e.strerror}") from None
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,7 @@ def load_token(token_file: str | None = None) -> str | None:
     if path:
         token = (_read(path, "token file") or b"").decode().strip()
         if not token:
-            raise ValueError(f"token file {path!r} is empty")
+            raise ValueError(f"token file '{printable(path)}' is empty")
         return token
     return os.environ.get(TOKEN_ENV) or None
 

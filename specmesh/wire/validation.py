@@ -1,5 +1,6 @@
 """Request validation shared by both services: every problem becomes a ValueError whose message says what is wrong
-(served as gRPC INVALID_ARGUMENT)."""
+(served as gRPC INVALID_ARGUMENT). What a message quotes of the request is `printable` (specmesh/wire/printable.py):
+valid UTF-8, no control characters, bounded, so that the status can always be sent."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import math
 from collections.abc import Sequence
 
 from specmesh.decoding.sampling import SamplingParams, SparseDist
+from specmesh.wire.printable import printable
 
 MAX_SESSION_ID_LENGTH = 128
 MAX_SEED = 2**64 - 1
@@ -18,7 +20,7 @@ def check_session_id(session_id: str) -> None:
     if len(session_id) > MAX_SESSION_ID_LENGTH:
         raise ValueError(f"session_id longer than {MAX_SESSION_ID_LENGTH} characters")
     if not session_id.isprintable():
-        raise ValueError("session_id must be printable text")
+        raise ValueError(f"session_id must be printable text, got '{printable(session_id, 60)}'")
 
 
 def check_token_ids(name: str, tokens: Sequence[int], vocab_size: int) -> None:

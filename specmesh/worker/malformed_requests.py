@@ -8,6 +8,8 @@ from collections.abc import Callable
 
 import grpc
 
+from specmesh.wire.printable import printable
+
 
 class MalformedRequest:
     """What a request that could not be decoded becomes, so that the method can answer with the reason."""
@@ -23,7 +25,8 @@ def _tolerant(deserialize: Callable[[bytes], object]) -> Callable[[bytes], objec
         try:
             return deserialize(data)
         except Exception as e:  # DecodeError, invalid UTF-8 in a string field, ...: anything the bytes caused
-            return MalformedRequest(str(e) or type(e).__name__)
+            # The reason may quote the bytes (a string field's invalid UTF-8): printable, or the status itself fails.
+            return MalformedRequest(printable(str(e) or type(e).__name__, limit=300))
     return decode
 
 
@@ -41,7 +44,7 @@ class MalformedRequestInterceptor(grpc.ServerInterceptor):
         def checked(request, context: grpc.ServicerContext):
             if isinstance(request, MalformedRequest):
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"the request to {method} is not a valid protobuf message: {request.reason}")
+                              f"the request to {printable(method)} is not a valid protobuf message: {request.reason}")
             return inner(request, context)
 
         make = grpc.unary_unary_rpc_method_handler if handler.unary_unary else grpc.unary_stream_rpc_method_handler

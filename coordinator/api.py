@@ -24,7 +24,7 @@ from coordinator.loop import DraftLength, LoopConfig, LoopResult, speculative_de
 from coordinator.record import Recorder
 from coordinator.channel import new_session_id
 from coordinator.resilience import NoWorkerAvailable, ResilienceConfig
-from coordinator.remote_sessions import DegradingDraftSession, FailoverTargetSession, FaultStats
+from coordinator.remote_sessions import DegradingDraftSession, FailoverTargetSession, FaultStats, LazyDraftSource
 from coordinator.text_stream import TextStream
 from coordinator.translation import TokenTranslator, TranslatingDraftSource
 from coordinator.worker_client import WorkerError
@@ -93,6 +93,32 @@ class GenerationResult:
     rounds: list = field(default_factory=list)  # coordinator.draft_length.RoundRecord per round
 
 
+def drafting_note(loop: LoopResult, degraded_rounds: int = 0) -> str | None:
+    """What the summary line says instead of an acceptance rate and a mean accepted length when the generation
+    drafted in fewer than half of its rounds (those figures then describe a handful of drafts, or none): what the
+    policy decided and why. None when it drafted in most rounds."""
+    if loop.drafting_off:
+        return loop.draft_decision  # why, with the numbers
+    rounds = loop.rounds
+    drafted_rounds = sum(1 for r in rounds if r.drafted)
+    if not rounds or drafted_rounds * 2 >= len(rounds):
+        return None
+    if not loop.draft_policy:
+        return loop.draft_decision  # no drafter
+    drafts, accepted = sum(r.drafted for r in rounds), sum(r.accepted for r in rounds)
+    why = []
+    if degraded_rounds:
+        why.append(f"{degraded_rounds} rounds without a drafter answering")
+    if loop.draft_policy == "cost":
+        # The other rounds without drafts are the policy's k = 0: drafts did not pay at the acceptance it measured. A
+        # drafted round after a round without drafts (round 0 aside) is it trying again: a probe.
+        probes = sum(1 for before, r in zip(rounds[1:], rounds[2:]) if r.drafted and not before.drafted)
+        why.append(f"k = 0 elsewhere: drafts did not pay at the measured acceptance; {probes} probe rounds")
+    measured = f"acceptance {accepted / drafts:.1%} over {drafts} drafts" if drafts else "no drafts"
+    return (f"{loop.draft_decision}: drafted in {drafted_rounds} of {len(rounds)} rounds"
+            + (f" ({'; '.join(why)})" if why else "") + f"; {measured}")
+
+
 def summarize(loop: LoopResult, elapsed_s: float, seed: int, faults: FaultStats, engines: dict | None = None) -> dict:
     rounds = len(loop.rounds)
     drafted = sum(r.drafted for r in loop.rounds)
@@ -108,6 +134,10 @@ def summarize(loop: LoopResult, elapsed_s: float, seed: int, faults: FaultStats,
         # vLLM's definitions: accepted / drafted, and tokens committed per round (1 + accepted per round).
         "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
         "mean_accepted_length": round(new_tokens / rounds, 4) if rounds else 0.0,
+        # What the draft-length policy decided (and, in draft_note, why it drafted little or nothing, when it did).
+        "draft_decision": loop.draft_decision,
+        "drafted_rounds": sum(1 for r in loop.rounds if r.drafted),
+        "draft_note": drafting_note(loop, faults.degraded_rounds),
         "draft_s": round(sum(r.draft_s for r in loop.rounds), 4),
         "verify_s": round(sum(r.verify_s for r in loop.rounds), 4),
         "seed": seed,
@@ -286,13 +316,15 @@ class Coordinator:
     def _draft_source(self, session_id: str, prompt_ids: list[int], options: GenerationOptions, seed: int,
                       faults: FaultStats, cancel: CancelToken | None):
         """The drafter session in target tokens: the remote session itself, or that session (in drafter tokens)
-        behind the translation through text."""
+        behind the translation through text; opened on the first round that drafts (LazyDraftSource), so that a
+        generation that never drafts sends the drafter nothing."""
         def open_session(prompt: list[int]) -> DegradingDraftSession:
             return DegradingDraftSession(self.drafters, session_id, prompt, options.sampling, seed, self.resilience,
                                          faults, cancel)
         if self.translator is None:
-            return open_session(prompt_ids)
-        return TranslatingDraftSource(self.translator, prompt_ids, open_session)
+            return LazyDraftSource(prompt_ids, open_session)
+        return LazyDraftSource(prompt_ids, lambda history: TranslatingDraftSource(self.translator, history,
+                                                                                  open_session))
 
     def check(self, prompt_tokens: int, options: GenerationOptions) -> None:
         """Raise ValueError if a request cannot run within the workers' limits (what generate would refuse)."""

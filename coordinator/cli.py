@@ -17,6 +17,13 @@ from specmesh.ops.config import add_config_argument
 from specmesh.ops.flags import DefaultsHelpFormatter, add_client_security_flags, add_logging_flags, add_metrics_flags
 from specmesh.runtime.catalog import DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL
 from specmesh.runtime.engine import ENGINES
+from specmesh.wire.printable import printable
+
+
+def shown(value: object, limit: int = 20_000) -> str:
+    """An error message, or what the user typed, as printed: printable (no control characters, valid UTF-8 whatever
+    argv held, bounded), line breaks kept (a worker's log tail)."""
+    return printable(value, limit, newlines=True)
 
 
 def add_fleet_arguments(p: argparse.ArgumentParser) -> None:
@@ -121,9 +128,12 @@ def print_summary(result) -> None:
     faults = f"; {s['retries']} retries, {s['failovers']} failovers, {s['degraded_rounds']} rounds without drafts" \
         if s["retries"] or s["failovers"] or s["degraded_rounds"] else ""
     rate = "n/a" if s["acceptance_rate"] is None else f"{s['acceptance_rate']:.1%}"
+    # Drafting in fewer than half of the rounds (or not at all): what the policy decided and why, instead of an
+    # acceptance rate over a handful of drafts and a mean accepted length near 1 (coordinator/api.py, drafting_note).
+    drafting = s.get("draft_note") or (f"acceptance rate {rate}; mean accepted length "
+                                       f"{s['mean_accepted_length']:.2f} tokens/round")
     print(f"\n[{result.finish_reason}] {s['new_tokens']} new tokens in {s['elapsed_s']:.2f} s "
-          f"({s['tokens_per_s']:.2f} tokens/s); acceptance rate {rate}; "
-          f"mean accepted length {s['mean_accepted_length']:.2f} tokens/round; {s['rounds']} rounds{faults}"
+          f"({s['tokens_per_s']:.2f} tokens/s); {drafting}; {s['rounds']} rounds{faults}"
           f"; engine {_engines(s)}"
           + (f"; draft tokenizer {s['draft_tokenizer']}" if s.get("draft_tokenizer") else ""),
           file=sys.stderr)
@@ -187,13 +197,13 @@ def run_generation(args: argparse.Namespace, streamed: list[str]) -> int:
                                     seed=args.seed, stop=tuple(args.stop), chat=not args.no_chat)
         resilience_from(args), security_from(args)
     except ValueError as e:
-        print(f"coordinator: error: {e}", file=sys.stderr)
+        print(f"coordinator: error: {shown(e)}", file=sys.stderr)
         return 2
     with ExitStack() as stack:
         try:
             coordinator = stack.enter_context(connected(args, progress=not args.json))
         except WorkerError as e:
-            print(f"coordinator: error: {e}", file=sys.stderr)
+            print(f"coordinator: error: {shown(e)}", file=sys.stderr)
             return 1
 
         def emit(text: str) -> None:
@@ -207,9 +217,9 @@ def run_generation(args: argparse.Namespace, streamed: list[str]) -> int:
             status = 0
         except GenerationFailed as e:
             result, status = e.partial, 1
-            print(f"\ncoordinator: error: {e}", file=sys.stderr)
+            print(f"\ncoordinator: error: {shown(e)}", file=sys.stderr)
         except ValueError as e:
-            print(f"coordinator: error: {e}", file=sys.stderr)
+            print(f"coordinator: error: {shown(e)}", file=sys.stderr)
             return 2
     if args.json:
         print(json.dumps({"status": "ok" if status == 0 else "error", "text": result.text,
@@ -240,7 +250,7 @@ def serve(args: argparse.Namespace) -> int:
         admission = AdmissionConfig(max_active=args.max_concurrent_requests, max_queue=args.max_queue)
         listener = socket.create_server((args.host, args.port))  # bound first: port 0 gets a real port to report
     except (ValueError, OSError) as e:
-        print(f"coordinator: error: {e}", file=sys.stderr)
+        print(f"coordinator: error: {shown(e)}", file=sys.stderr)
         return 2
     # uvicorn stops gracefully on SIGTERM, restores the previous handler and raises the signal again: with the default
     # handler that would end the process before the with-block below stops the local workers, leaving them running.
@@ -256,7 +266,7 @@ def serve(args: argparse.Namespace) -> int:
             config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=5)
             DrainingServer(config, app.state.completions, args.grace).run(sockets=[listener])
     except WorkerError as e:
-        print(f"coordinator: error: {e}", file=sys.stderr)
+        print(f"coordinator: error: {shown(e)}", file=sys.stderr)
         return 1
     return 0
 
@@ -276,12 +286,13 @@ def models_pull(args: argparse.Namespace) -> int:
     names = list(catalog.CATALOG) if "all" in args.name else args.name
     for name in names:
         if name not in catalog.CATALOG:
-            print(f"coordinator: error: unknown model {name!r}; known: {', '.join(catalog.CATALOG)}", file=sys.stderr)
+            print(f"coordinator: error: unknown model '{printable(name)}'; known: {', '.join(catalog.CATALOG)}",
+                  file=sys.stderr)
             return 2
         try:
             path = catalog.fetch(name, progress=True)
         except Exception as e:  # a failed download or checksum: say which and why
-            print(f"coordinator: error: pulling {name} failed: {e}", file=sys.stderr)
+            print(f"coordinator: error: pulling {name} failed: {shown(e)}", file=sys.stderr)
             return 1
         print(f"{name}: {path}")
     return 0

@@ -12,7 +12,9 @@ rounds so far. `POLICIES` names the adaptive ones a user may choose:
   (plain target decoding) otherwise, probing with a small draft now and then to notice when drafting pays again
   (drafting_pays). Where the model's own best k is longer (cheap drafts), it drafts that. Unlike the heuristic it
   knows what a draft token and a wider verify pass COST here: where drafting cannot pay even with every draft
-  accepted (a slow drafter, a verifier whose cost grows with every draft), it never starts.
+  accepted (a slow drafter, a verifier whose cost grows with every draft), it never starts: with the workers' costs
+  (the prior, fixed for the generation) that is decided before the first round (drafting_off, DraftingOff) and the
+  generation never drafts, never probes and leaves the drafter alone (coordinator/loop.py).
 A fixed k (`DraftLength.fixed`) is the third, non-adaptive policy.
 
 Two more costs enter the model when the workers report theirs (the prior): the network round trip of each RPC (a
@@ -54,6 +56,8 @@ WINDOW = 32  # recent rounds the cost model looks at: the text changes character
 PROBE_EVERY = 8  # with k = 0 chosen, one round in this many drafts `minimum` tokens to keep measuring acceptance
 # With k = 0 chosen because drafting could not pay even if every draft were accepted (a slow drafter, a verifier whose
 # cost grows with every draft), acceptance is not worth measuring: probe only this rarely, to notice changed costs.
+# Only costs measured from this generation's round timings can change; with the workers' costs (the prior) nothing a
+# probe measures could make drafting pay, so there is no probe at all (CostPolicy.next_k, DraftingOff).
 PROBE_RARELY = 64
 PRIOR_ACCEPTANCE = 0.7  # per-token acceptance assumed before any round has measured it
 MIN_DRAFTED_ROUNDS = 3  # below this the cost model has too little data and the heuristic decides
@@ -175,6 +179,49 @@ class CostEstimate:
         certain = replace(self, acceptance=1.0, survival=(), tail_acceptance=None)
         return max(map(certain.tokens_per_s, range(1, maximum + 1)), default=0.0) >= certain.tokens_per_s(0)
 
+    def drafting_off(self, maximum: int) -> DraftingOff | None:
+        """Why no draft length up to `maximum` pays even if every draft is accepted, with the numbers: for every
+        k >= 1, (k + 1) / T(k) < 1 / T(0) (T a round's seconds, round trips included); None where some k could pay."""
+        if self.could_pay(maximum):
+            return None
+        certain = replace(self, acceptance=1.0, survival=(), tail_acceptance=None)
+        best = max(range(1, maximum + 1), key=certain.tokens_per_s)
+        shown = sorted({k for k in (1, 2, 4, 8, 16, maximum) if k <= maximum})
+        return DraftingOff(target_step_s=self.round_s(0), draft_s_per_token=self.draft_s_per_token,
+                           draft_round_trip_s=self.draft_round_trip_s,
+                           verify_s=tuple((k, self.verify_round_trip_s + self.verify_s(k)) for k in shown),
+                           best_k=best, best_speedup=certain.tokens_per_s(best) / certain.tokens_per_s(0))
+
+
+@dataclass(frozen=True)
+class DraftingOff:
+    """The cost policy's decision, before the first round, that a generation drafts nothing: by the workers' measured
+    costs no draft length pays even if every draft is accepted. Seconds here; str() says it in target steps (a
+    target-only round, round trip included), as the summary line and the stats show it."""
+
+    target_step_s: float  # a round without drafts: the verify round trip + v(0)
+    draft_s_per_token: float  # c
+    draft_round_trip_s: float  # a Propose call's network time, paid by every round that drafts
+    verify_s: tuple[tuple[int, float], ...]  # (k, the verify round trip + v(k)) for a few k
+    best_k: int  # the draft length that would come closest
+    best_speedup: float  # its tokens/s over target-only's, with every draft accepted (< 1)
+
+    def __str__(self) -> str:
+        step = max(self.target_step_s, 1e-12)
+        verify = ", ".join(f"v({k})={s / step:.2f}" for k, s in self.verify_s)
+        propose = (f", Propose round trip {self.draft_round_trip_s / step:.2f}" if self.draft_round_trip_s else "")
+        return (f"drafting off: no draft length pays (c={self.draft_s_per_token / step:.2f} of a target step, "
+                f"{verify}{propose}; best possible {self.best_speedup:.2f}x target-only, at k={self.best_k} with every "
+                f"draft accepted)")
+
+    def details(self) -> str:
+        """The same in seconds, with the bound, for the log."""
+        verify = ", ".join(f"v({k})={s:.4g} s" for k, s in self.verify_s)
+        return (f"c={self.draft_s_per_token:.4g} s per draft token, Propose round trip "
+                f"{self.draft_round_trip_s:.4g} s, v(0)={self.target_step_s:.4g} s, {verify} (verify round trips "
+                f"included); bound: the best (k+1)/(k*c + v(k) + round trips) over k >= 1, at k={self.best_k}, is "
+                f"{self.best_speedup:.3f} x 1/v(0)")
+
 
 def recent_drafted(rounds: Sequence[RoundRecord]) -> list[RoundRecord]:
     """The last WINDOW rounds that carried drafts (round 0, the prefill, left out): what is known about drafting,
@@ -277,6 +324,11 @@ class DraftPolicy(Protocol):
         """Pipelining: whether a round drafting k tokens should draft the next round during its verify."""
         ...
 
+    def drafting_off(self) -> DraftingOff | None:
+        """Before the first round: why this generation drafts nothing at all (the loop then leaves the drafter
+        alone); None when it may draft."""
+        ...
+
 
 class FixedPolicy:
     """The same k every round (--draft-tokens K)."""
@@ -292,6 +344,9 @@ class FixedPolicy:
 
     def bet_pays(self, k: int, rounds: Sequence[RoundRecord]) -> bool:
         return True  # no costs known: the bet is always placed
+
+    def drafting_off(self) -> DraftingOff | None:
+        return None  # costs are not this policy's business
 
 
 class HeuristicPolicy:
@@ -314,6 +369,9 @@ class HeuristicPolicy:
     def bet_pays(self, k: int, rounds: Sequence[RoundRecord]) -> bool:
         return True  # no costs known: the bet is always placed
 
+    def drafting_off(self) -> DraftingOff | None:
+        return None  # costs are not this policy's business
+
 
 class CostPolicy:
     """The k with the most expected tokens per second under the cost model; the heuristic until there is data."""
@@ -332,6 +390,12 @@ class CostPolicy:
         if not prior.could_pay(self.length.maximum):
             return 0
         return max(self.length.initial, prior.best_k(self.length.maximum))
+
+    def drafting_off(self) -> DraftingOff | None:
+        """With the workers' costs, why no draft length can pay even if every draft is accepted; None without them
+        (round timings could show otherwise) or where some k could pay."""
+        prior = self._from_prior(())
+        return None if prior is None else prior.drafting_off(self.length.maximum)
 
     def _from_prior(self, rounds: Sequence[RoundRecord]) -> CostEstimate | None:
         """The workers' measured costs, with this generation's acceptance (and, pipelined, the bet's hit rate and
@@ -369,6 +433,10 @@ class CostPolicy:
             return max(best if measured else 0, self.fallback.next_k(k, rounds))
         if best >= minimum:
             return best
+        if not could_pay and self.length.prior is not None:
+            # The workers' costs hold for the whole generation, and with them no k pays even at full acceptance:
+            # nothing a probe could measure changes that, so do not probe (CostPolicy.drafting_off).
+            return 0
         # Drafting does not pay now; keep probing so a change (say, code after prose) is noticed.
         every = PROBE_EVERY if could_pay else PROBE_RARELY
         probing = len(rounds) >= every and all(r.drafted == 0 for r in rounds[-(every - 1):])
@@ -446,3 +514,11 @@ class DraftLength:
     def bet_pays(self, k: int, rounds: Sequence[RoundRecord]) -> bool:
         """Pipelining: whether a round drafting k tokens after `rounds` should bet (see DraftPolicy.bet_pays)."""
         return self.rule.bet_pays(k, rounds)
+
+    def drafting_off(self) -> DraftingOff | None:
+        """Why this generation drafts nothing at all, decided before its first round (see DraftPolicy.drafting_off)."""
+        return self.rule.drafting_off()
+
+    def describe(self) -> str:
+        """The policy in a few words, for the stats: "fixed k = 4", "adaptive k (cost policy)"."""
+        return f"adaptive k ({self.policy} policy)" if self.adaptive else f"fixed k = {self.initial}"

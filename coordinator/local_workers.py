@@ -145,16 +145,19 @@ def local_workers(specs: list[LocalWorkerSpec], progress: bool = True, load_time
         # One at a time: a generator, so each worker starts only when the loop below has waited for the previous one.
         to_wait = (start(spec) for spec in specs) if one_at_a_time else [start(spec) for spec in specs]
         started = time.monotonic()
+        # A spinner only on a terminal: piped to a file or `tail`, its carriage-return frames would be hundreds of lines.
+        spinner = progress and sys.stderr.isatty()
         for worker in to_wait:
             def show(worker=worker) -> None:
-                if progress:
+                if spinner:
                     print(f"\rloading {worker.spec.role} {worker.spec.model} ... {time.monotonic() - started:.0f}s",
                           end="", file=sys.stderr, flush=True)
             try:
                 worker.wait_serving(load_timeout_s, on_wait=show)
             except WorkerError as e:
                 raise WorkerError(f"{e}; its log:\n{worker.log_tail()}") from None
-            if progress:
-                print(f"\r{worker.spec.role} {worker.spec.model} ready on {worker.address} "
-                      f"({time.monotonic() - started:.0f}s)   ", file=sys.stderr, flush=True)
+            if progress:  # on a terminal it overwrites the spinner's line (the blanks cover its longer text)
+                ready = f"{worker.spec.role} {worker.spec.model} ready on {worker.address} " \
+                        f"({time.monotonic() - started:.0f}s)"
+                print(f"\r{ready}   " if spinner else ready, file=sys.stderr, flush=True)
         yield {w.spec.role: w.address for w in workers}

@@ -9,10 +9,16 @@ round r+1, betting that every draft is accepted. The bet's first token predicts 
 all drafts were accepted and that prediction is right, the rest of the bet is exactly what the drafter would propose
 next (same context, same position-keyed randomness), so it becomes the next draft without waiting for the drafter.
 Output is the same with or without pipelining; only waiting time changes.
+
+Drafting off: where the workers' measured costs say no draft length pays even if every draft is accepted (the cost
+policy's DraftingOff, decided before the first round), the generation is plain target decoding and the drafter is
+left alone: no session opened, no Propose, no updates. The decision, with its numbers, is logged once and kept in the
+result (LoopResult.draft_decision).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -23,6 +29,8 @@ from typing import Protocol
 from coordinator.draft_length import DraftLength, RoundRecord
 from specmesh.decoding.acceptance import Verdict
 from specmesh.decoding.sampling import SparseDist
+
+log = logging.getLogger("specmesh.coordinator")
 
 
 @dataclass(frozen=True)
@@ -66,6 +74,11 @@ class LoopResult:
     tokens: list[int] = field(default_factory=list)
     finish_reason: str = ""  # "eos", "length" or "stop"
     rounds: list[RoundRecord] = field(default_factory=list)
+    # What the draft-length policy decided before the first round, in words: "fixed k = 4", "adaptive k (cost
+    # policy)", "target-only decoding (no drafter)", or why drafting is off ("drafting off: no draft length pays ...").
+    draft_decision: str = ""
+    drafting_off: bool = False  # the cost policy ruled drafting out for the whole generation (draft_decision says why)
+    draft_policy: str = ""  # "cost", "heuristic" or "fixed"; "" without a drafter
 
 
 def speculative_decode(drafter: DraftSource | None, target: TargetSession, config: LoopConfig,
@@ -75,6 +88,18 @@ def speculative_decode(drafter: DraftSource | None, target: TargetSession, confi
     True to stop (stop strings live in text, which only the caller decodes). Pass `result` to keep what was generated
     if a worker fails mid-way: it is filled in place."""
     result = result if result is not None else LoopResult()
+    # Drafting off: by the workers' costs no draft length pays even with every draft accepted. Decode target-only and
+    # never touch the drafter (no session, no Propose, no update): even an idle drafter session costs the verify time
+    # where the two share hardware.
+    off = config.draft_length.drafting_off() if drafter is not None else None
+    if off is not None:
+        log.info("%s; %s", off, off.details())
+        drafter = None
+    result.drafting_off = off is not None
+    result.draft_policy = "" if drafter is None and off is None else (
+        config.draft_length.policy if config.draft_length.adaptive else "fixed")
+    result.draft_decision = (str(off) if off is not None else "target-only decoding (no drafter)" if drafter is None
+                             else config.draft_length.describe())
     k = config.draft_length.first() if drafter is not None else 0
     pipelined = config.pipeline and drafter is not None
     with ThreadPoolExecutor(1, thread_name_prefix="draft-ahead") if pipelined else nullcontext() as ahead_pool:

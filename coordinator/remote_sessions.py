@@ -7,12 +7,18 @@ exactly as the failed one would have. The drafter session never fails a generati
 round degrades to k = 0 (target-only decoding, same output) until a drafter's breaker half-opens and a probe succeeds.
 Both stop at once when the generation's CancelToken is cancelled (coordinator/cancel.py): the RPC in flight is
 cancelled and GenerationCancelled ends the generation.
+
+The drafter session is opened on the first round that drafts (LazyDraftSource): a generation that never drafts sends
+the drafter nothing. A drafter that fell more than MAX_DRAFTER_BACKLOG tokens behind since its last call (rounds
+without drafts in between: the cost policy's k = 0 before a probe, a drafter outage) does not catch up on all of them
+inside the round: its context restarts from the last RESTART_CONTEXT tokens, a short prefill (the draft model guesses
+from recent context). Output never depends on the drafter's context: the verifier checks every draft.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -20,15 +26,21 @@ import tenacity
 
 from coordinator.cancel import CancelToken
 from coordinator.fleet import Endpoint, WorkerPool
-from coordinator.loop import Draft
+from coordinator.loop import Draft, DraftSource
 from coordinator.channel import SyncedHistory
 from coordinator.resilience import BREAKER_FAILURES, NoWorkerAvailable, ResilienceConfig, is_retryable
 from specmesh.decoding.acceptance import Verdict
 from specmesh.decoding.sampling import SamplingParams
 from specmesh.v1 import specmesh_pb2 as pb
 from specmesh.wire.convert import dists_from_wire, dists_to_wire, sampling_to_wire
+from specmesh.wire.history import TokenHistory
 
 log = logging.getLogger("specmesh.sessions")
+
+# Tokens committed since the drafter's last call that it may catch up on inside a round; beyond that its context
+# restarts from the last RESTART_CONTEXT tokens (a probe costs about a round, never a long prefill).
+MAX_DRAFTER_BACKLOG = 64
+RESTART_CONTEXT = 32
 
 
 @dataclass
@@ -164,10 +176,29 @@ class DegradingDraftSession:
                  seed: int, config: ResilienceConfig, stats: FaultStats, cancel: CancelToken | None = None) -> None:
         self.link = PinnedSession(pool, prompt, stats, cancel)
         self.session_id, self._params, self._seed, self._config, self.stats = session_id, params, seed, config, stats
+        # How much of the history the drafter has been brought up to (the prompt counts as given: a first call
+        # prefills it, as the verifier does); what was committed after it is the backlog.
+        self.caught_up = len(prompt)
+        self.restarts = 0  # times the context restarted from recent tokens instead of catching up
+
+    def _skip_backlog(self) -> None:
+        """More than MAX_DRAFTER_BACKLOG tokens committed since the drafter's last call: restart its context from the
+        last RESTART_CONTEXT of them (sent in full on this call) instead of prefilling them all in this round. Drafts
+        are only proposals, so this changes acceptance at most, never the output."""
+        sync = self.link.sync
+        behind = len(sync.history) - self.caught_up
+        if behind <= MAX_DRAFTER_BACKLOG:
+            return
+        sync.history = TokenHistory(sync.history.tokens[-RESTART_CONTEXT:])
+        sync.server_length = 0  # the whole (short) history goes with this call; the server drops what it held
+        self.caught_up = 0
+        self.restarts += 1
+        log.debug("drafter %d tokens behind: context restarts from the last %d", behind, RESTART_CONTEXT)
 
     def propose(self, k: int, after: Sequence[int] = ()) -> Draft:
         if self.link.cancel is not None:
             self.link.cancel.check()
+        self._skip_backlog()
         try:
             endpoint = self.link.begin(self.link.current())
         except NoWorkerAvailable:
@@ -194,7 +225,7 @@ class DegradingDraftSession:
         self.link.record(endpoint, None)
         # The drafter now holds the committed history (+ `after`, which the next call's sync cuts off again if it was
         # not committed: syncing from the committed length truncates the server's history there).
-        self.link.sync.server_length = len(self.link.sync.history)
+        self.link.sync.server_length = self.caught_up = len(self.link.sync.history)
         return Draft(tuple(response.tokens), dists_from_wire(response.distributions))
 
     def update(self, committed: Sequence[int]) -> None:
@@ -202,3 +233,30 @@ class DegradingDraftSession:
 
     def end(self) -> None:
         self.link.end(self.session_id)
+
+
+class LazyDraftSource:
+    """A DraftSource opened on its first propose: until then it only keeps the committed tokens, which become the
+    opened source's prompt. A generation that never drafts (drafting off, or no round with k > 0) opens no drafter
+    session and sends the drafter nothing. `open_source(history)` opens it (a DegradingDraftSession, or the
+    translation in front of one)."""
+
+    def __init__(self, prompt: Sequence[int], open_source: Callable[[list[int]], DraftSource]) -> None:
+        self.history: list[int] = list(prompt)
+        self._open = open_source
+        self.source: DraftSource | None = None
+
+    def propose(self, k: int, after: Sequence[int] = ()) -> Draft:
+        if self.source is None:
+            self.source = self._open(self.history)
+        return self.source.propose(k, after)
+
+    def update(self, committed: Sequence[int]) -> None:
+        if self.source is None:
+            self.history.extend(committed)
+        else:
+            self.source.update(committed)
+
+    def end(self) -> None:
+        if self.source is not None:
+            self.source.end()

@@ -1,0 +1,250 @@
+"""What the cost policy decides before and during a generation, seen on fake workers
+(tests/coordinator/fake_workers.py): where no draft length pays by the workers' cost curves, the drafter is never
+called and no drafter session is opened; where drafting pays but acceptance is poor, k = 0 with probe rounds that
+never make the drafter catch up a long backlog; and the summary line and the --json stats say what was decided and
+why."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+
+from coordinator.api import summarize
+from coordinator.cli import print_summary
+from coordinator.draft_length import PRIOR_ACCEPTANCE, PROBE_EVERY, CostEstimate, DraftLength
+from coordinator.fleet import WorkerPool
+from coordinator.loop import LoopConfig, LoopResult, speculative_decode
+from coordinator.polling import wait_until
+from coordinator.remote_sessions import (MAX_DRAFTER_BACKLOG, RESTART_CONTEXT, DegradingDraftSession,
+                                         FailoverTargetSession, FaultStats, LazyDraftSource)
+from coordinator.resilience import ResilienceConfig
+from specmesh.decoding.sampling import SamplingParams
+from tests.coordinator.fake_workers import FakeFleet, target_continuation
+
+PROMPT = [3, 14, 15, 9, 26]
+# A drafter whose failures never open its breaker: an outage is exactly as long as a test makes it.
+CONFIG = ResilienceConfig(verify_timeout_s=1.0, propose_timeout_s=1.0, retry_budget_s=3.0, backoff_initial_s=0.001,
+                          backoff_max_s=0.01, breaker_fail_max=10_000, breaker_reset_s=60.0)
+
+# Cost curves as the workers report them (Info): the verifier's v(k) and the drafter's seconds per token.
+# A verify whose cost grows by more than a target step with each draft: no k pays, even with every draft accepted and
+# the drafting hidden behind the verify (pipelined).
+NOTHING_PAYS = CostEstimate(PRIOR_ACCEPTANCE, 0.6, 1.0, 1.2, verify_curve=((0, 1.0), (1, 2.2), (4, 5.8), (16, 20.2)))
+# Cheap drafts and a flat verify: drafting pays wherever drafts are accepted.
+DRAFTING_PAYS = CostEstimate(PRIOR_ACCEPTANCE, 0.02, 1.0, 0.02, verify_curve=((0, 1.0), (1, 1.02), (16, 1.3)))
+
+
+def test_with_the_workers_costs_a_policy_that_cannot_pay_never_probes():
+    """The workers' costs hold for the whole generation: where they rule drafting out, no probe either (without them,
+    round timings could change, and a rare probe still looks)."""
+    from coordinator.draft_length import PROBE_RARELY, RoundRecord
+    never = DraftLength(policy="cost", prior=NOTHING_PAYS)
+    off = never.drafting_off()
+    assert off is not None and never.first() == 0 and off.best_k == 1
+    assert off.best_speedup == pytest.approx(2 / 2.8)  # 2 tokens per 2.2 + 0.6 target steps at best
+    zeros = [RoundRecord(0, 0, 0.0, 1.0)] * (3 * PROBE_RARELY)
+    assert all(never.next(0, zeros[:n]) == 0 for n in range(1, len(zeros) + 1))
+    assert DraftLength(policy="cost", prior=DRAFTING_PAYS).drafting_off() is None
+    assert DraftLength(policy="heuristic", prior=NOTHING_PAYS).drafting_off() is None, "the heuristic ignores costs"
+    assert DraftLength.fixed(3).drafting_off() is None, "a fixed k is what the user asked for"
+
+
+@pytest.fixture
+def fleets():
+    """(verifier pool, drafter pool, drafter FakeFleet) -> a function of the drafter's draft_error_at; closed after."""
+    pools: list[WorkerPool] = []
+
+    def make(draft_error_at: int | None = None):
+        made = []
+        for role in ("verifier", "drafter"):
+            fleet = FakeFleet(role, 1, draft_error_at if role == "drafter" else None)
+            pool = WorkerPool(fleet.addresses, role, CONFIG, connect=fleet.connect)
+            pools.append(pool)
+            assert wait_until(lambda: all(e.serving for e in pool.endpoints), 5.0)
+            made.append((pool, fleet))
+        (verifiers, _), (drafters, drafter_fleet) = made
+        return verifiers, drafters, drafter_fleet
+
+    yield make
+    for pool in pools:
+        pool.close()
+
+
+def generate(verifiers, drafters, prior: CostEstimate | None, max_new_tokens: int, pipeline: bool = False,
+             length: DraftLength | None = None, after_round=None):
+    """One generation as Coordinator.generate runs it: a lazily opened drafter session and a verifier session over the
+    pools, the real loop. Returns (loop result, the lazy drafter source, fault stats, sessions opened)."""
+    stats, opened = FaultStats(), []
+
+    def open_session(history: list[int]) -> DegradingDraftSession:
+        opened.append(list(history))
+        return DegradingDraftSession(drafters, "s1", history, SamplingParams(), 0, CONFIG, stats)
+    drafter = LazyDraftSource(PROMPT, open_session)
+    target = FailoverTargetSession(verifiers, "s1", PROMPT, SamplingParams(), 0, CONFIG, stats)
+    length = length or DraftLength(policy="cost", prior=prior, pipelined=pipeline)
+    seen: list[int] = []
+
+    def on_tokens(new: list[int]) -> bool:
+        seen.extend(new)
+        if after_round is not None:
+            after_round(seen)
+        return False
+    try:
+        result = speculative_decode(drafter, target, LoopConfig(max_new_tokens, draft_length=length,
+                                                                pipeline=pipeline), on_tokens=on_tokens)
+    finally:
+        target.end()
+        drafter.end()
+    return result, drafter, stats, opened
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_where_no_draft_length_pays_the_drafter_is_never_called(fleets, pipeline, caplog):
+    verifiers, drafters, drafter_fleet = fleets()  # a perfect drafter: every draft would be accepted
+    assert not NOTHING_PAYS.could_pay(16)
+    with caplog.at_level(logging.INFO, logger="specmesh.coordinator"):
+        result, drafter, _, opened = generate(verifiers, drafters, NOTHING_PAYS, 100, pipeline)
+
+    assert result.tokens == target_continuation(PROMPT, 100)
+    assert all(r.drafted == 0 for r in result.rounds), "no round drafts, not even a probe"
+    stub = drafter_fleet[0].stub
+    assert stub.requests == [] and stub.sessions == {}, "not one call reaches the drafter: no Propose, no session"
+    assert opened == [] and drafter.source is None, "the drafter session is never opened"
+    assert drafters.endpoints[0].sessions == 0 and stub.ended == [], "nothing pinned, nothing to end"
+    assert result.drafting_off and result.draft_decision.startswith("drafting off: no draft length pays")
+    # The decision is logged once, with the numbers: c and v(k) in target steps, and the bound.
+    logged = [r.getMessage() for r in caplog.records if "drafting off" in r.getMessage()]
+    assert len(logged) == 1
+    assert "c=0.60 of a target step" in logged[0] and "v(1)=2.20" in logged[0] and "v(4)=5.80" in logged[0]
+    # The best k = 1: 2 tokens per 2.2 + 0.6 target steps, or per 2.2 when the bet hides the drafting (pipelined).
+    assert f"best possible {0.91 if pipeline else 0.71:.2f}x" in logged[0] and "v(0)=1 s" in logged[0]
+
+
+def test_a_generation_that_drafts_opens_the_drafter_session_on_its_first_draft(fleets):
+    verifiers, drafters, drafter_fleet = fleets()
+    result, drafter, _, opened = generate(verifiers, drafters, DRAFTING_PAYS, 40)
+    assert result.tokens == target_continuation(PROMPT, 40)
+    assert opened == [PROMPT] and result.rounds[0].drafted > 0, "opened for round 0, with the prompt"
+    assert not result.drafting_off and result.draft_decision == "adaptive k (cost policy)"
+    assert drafter_fleet[0].stub.ended == ["s1"]
+
+
+def test_poor_acceptance_probes_without_making_the_drafter_catch_up_a_backlog(fleets):
+    """Drafting would pay, but the drafter's first draft is always wrong: k = 0 after a few rounds, then a probe now
+    and then. No probe sends the drafter more than MAX_DRAFTER_BACKLOG tokens to catch up on."""
+    verifiers, drafters, drafter_fleet = fleets(draft_error_at=0)
+    result, _, faults, _ = generate(verifiers, drafters, DRAFTING_PAYS, 300)
+
+    assert result.tokens == target_continuation(PROMPT, 300)
+    drafted = [i for i, r in enumerate(result.rounds) if r.drafted]
+    probes = [i for i in drafted if i > 0 and not result.rounds[i - 1].drafted]
+    assert len(probes) >= 10 and len(drafted) < len(result.rounds) / 4, "mostly k = 0, with probes"
+    assert all(b - a <= PROBE_EVERY for a, b in zip(probes, probes[1:]))
+    first, *later = drafter_fleet[0].stub.contexts("Propose")
+    assert (first.base_length, list(first.new_tokens)) == (0, PROMPT)
+    assert later and max(len(c.new_tokens) for c in later) <= MAX_DRAFTER_BACKLOG
+    # The stats say what happened instead of an acceptance rate over a few drafts.
+    stats = summarize(result, 1.0, 0, faults)
+    assert stats["drafted_rounds"] == len(drafted) and stats["acceptance_rate"] == 0.0
+    note = stats["draft_note"]
+    assert note.startswith(f"adaptive k (cost policy): drafted in {len(drafted)} of {len(result.rounds)} rounds")
+    assert f"{len(probes)} probe rounds" in note and f"acceptance 0.0% over {stats['drafted_tokens']} drafts" in note
+
+
+def test_a_drafter_far_behind_restarts_from_recent_tokens_instead_of_catching_up(fleets):
+    """A drafter that answered nothing for 100 rounds (an outage) comes back: it gets the last RESTART_CONTEXT
+    tokens, not the 100-token backlog, and drafting goes on from there with the output unchanged."""
+    verifiers, drafters, drafter_fleet = fleets()
+    stub = drafter_fleet[0].stub
+    back: dict[str, int] = {}
+
+    def outage(tokens: list[int]) -> None:
+        down = 4 <= len(tokens) < 104
+        if stub.down and not down:
+            back.update(call=len(stub.requests), committed=len(tokens))
+        stub.down = down
+    result, drafter, stats, _ = generate(verifiers, drafters, None, 160, length=DraftLength.fixed(3),
+                                         after_round=outage)
+    assert result.tokens == target_continuation(PROMPT, 160)
+    assert stats.degraded_rounds == 100 and drafter.source.restarts >= 1
+    method, request = stub.requests[back["call"]]
+    history = PROMPT + result.tokens[:back["committed"]]
+    # Back (on a drafter that holds nothing of this session, so the whole context goes): recent tokens only, from
+    # the last restart during the outage on, never the prompt and the 100-token backlog.
+    sent = list(request.context.new_tokens)
+    assert method == "Propose" and request.context.base_length == 0
+    assert RESTART_CONTEXT <= len(sent) <= MAX_DRAFTER_BACKLOG and sent == history[-len(sent):]
+    after = [request.context for name, request in stub.requests[back["call"] + 1:] if name == "Propose"]
+    assert after and all(len(c.new_tokens) <= 4 and c.base_length >= RESTART_CONTEXT for c in after), \
+        "then deltas on the restarted context"
+    assert all(r.drafted == r.accepted == 3 for r in result.rounds[-10:-1]), "drafting as before the outage"
+
+
+def test_a_backlog_within_the_window_is_caught_up_and_a_longer_one_restarts(fleets):
+    _, drafters, drafter_fleet = fleets()
+    session = DegradingDraftSession(drafters, "s1", PROMPT, SamplingParams(), 0, CONFIG, FaultStats())
+    session.propose(2)
+    history = PROMPT + target_continuation(PROMPT, MAX_DRAFTER_BACKLOG + 30)
+    session.update(history[len(PROMPT):len(PROMPT) + MAX_DRAFTER_BACKLOG])
+    session.propose(2)
+    session.update(history[len(PROMPT) + MAX_DRAFTER_BACKLOG:])
+    session.update(target_continuation(history, MAX_DRAFTER_BACKLOG + 1 - 30))
+    full = history + target_continuation(history, MAX_DRAFTER_BACKLOG + 1 - 30)
+    assert session.propose(2).tokens == tuple(target_continuation(full, 2)), "drafts from recent context alone"
+    session.update([7])
+    session.propose(1)
+    contexts = [(c.base_length, list(c.new_tokens)) for c in drafter_fleet[0].stub.contexts("Propose")]
+    assert contexts[1] == (len(PROMPT), history[len(PROMPT):len(PROMPT) + MAX_DRAFTER_BACKLOG]), "64: caught up"
+    assert contexts[2] == (0, full[-RESTART_CONTEXT:]), "65: restarted from the last RESTART_CONTEXT"
+    assert contexts[3] == (RESTART_CONTEXT, [7]), "then deltas again, on the restarted context"
+    assert session.restarts == 1
+
+
+# ---- the summary line and the --json stats ----
+
+def stats_of(loop: LoopResult, degraded_rounds: int = 0) -> dict:
+    return {**summarize(loop, 2.0, 0, FaultStats(degraded_rounds=degraded_rounds)), "verifier_engine": "toy"}
+
+
+def test_the_summary_says_drafting_is_off_and_why(fleets, capsys):
+    verifiers, drafters, _ = fleets()
+    result, _, _, _ = generate(verifiers, drafters, NOTHING_PAYS, 50)
+    stats = stats_of(result)
+    assert stats["draft_decision"] == stats["draft_note"] == result.draft_decision
+    assert stats["drafted_rounds"] == 0 and stats["acceptance_rate"] is None
+    print_summary(SimpleNamespace(finish_reason="length", stats=stats))
+    line = capsys.readouterr().err
+    assert "drafting off: no draft length pays (c=0.60 of a target step, v(1)=2.20" in line
+    assert "best possible 0.71x target-only" in line
+    assert "acceptance rate" not in line and "mean accepted length" not in line
+
+
+def test_the_summary_says_how_little_was_drafted_and_over_how_many_drafts(capsys):
+    from coordinator.draft_length import RoundRecord
+    rounds = [RoundRecord(4, 0, 0.1, 1.0), *[RoundRecord(0, 0, 0.0, 1.0)] * 7, RoundRecord(1, 1, 0.0, 1.0),
+              *[RoundRecord(0, 0, 0.0, 1.0)] * 7]
+    loop = LoopResult(tokens=[1] * 17, rounds=rounds, draft_decision="adaptive k (cost policy)", draft_policy="cost")
+    stats = stats_of(loop)
+    assert stats["draft_note"] == ("adaptive k (cost policy): drafted in 2 of 16 rounds (k = 0 elsewhere: drafts did "
+                                   "not pay at the measured acceptance; 1 probe rounds); acceptance 20.0% over 5 "
+                                   "drafts")
+    print_summary(SimpleNamespace(finish_reason="length", stats=stats))
+    line = capsys.readouterr().err
+    assert "drafted in 2 of 16 rounds" in line and "acceptance rate" not in line
+    # A run that drafted in most rounds keeps the acceptance rate and the mean accepted length.
+    busy = LoopResult(tokens=[1] * 10, rounds=[RoundRecord(4, 2, 0.1, 1.0)] * 4, draft_decision="fixed k = 4",
+                      draft_policy="fixed")
+    stats = stats_of(busy)
+    assert stats["draft_note"] is None and stats["draft_decision"] == "fixed k = 4"
+    print_summary(SimpleNamespace(finish_reason="length", stats=stats))
+    assert "acceptance rate 50.0%; mean accepted length 2.50 tokens/round" in capsys.readouterr().err
+    # Rounds without a drafter answering are counted as such.
+    degraded = LoopResult(tokens=[1] * 6, rounds=[RoundRecord(2, 1, 0.1, 1.0)] + [RoundRecord(0, 0, 0.0, 1.0)] * 4,
+                          draft_decision="fixed k = 2", draft_policy="fixed")
+    assert stats_of(degraded, 4)["draft_note"] == ("fixed k = 2: drafted in 1 of 5 rounds (4 rounds without a drafter "
+                                                  "answering); acceptance 50.0% over 2 drafts")
+    no_drafter = LoopResult(tokens=[1] * 3, rounds=[RoundRecord(0, 0, 0.0, 1.0)] * 3,
+                            draft_decision="target-only decoding (no drafter)")
+    assert stats_of(no_drafter)["draft_note"] == "target-only decoding (no drafter)"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import statistics
 
-from coordinator.benchmarks.modes import BASELINE, HF_BASELINE, LLAMA_BASELINE, Mode
+from coordinator.benchmarks.modes import BASELINE, ENGINE_BASELINES, HF_BASELINE, Mode
 from coordinator.draft_length import expected_tokens_per_round
 
 
@@ -24,10 +24,11 @@ def add_relative(rows: list[dict]) -> None:
     for r in rows:
         base = by_prompt.get((r["prompt_id"], BASELINE))
         hf = by_prompt.get((r["prompt_id"], HF_BASELINE))
-        llama = by_prompt.get((r["prompt_id"], LLAMA_BASELINE))
         r["speedup"] = round(r["tokens_per_s"] / base["tokens_per_s"], 4) if base else None
         r["speedup_vs_hf_target"] = round(r["tokens_per_s"] / hf["tokens_per_s"], 4) if hf else None
-        r["speedup_vs_llama_target"] = round(r["tokens_per_s"] / llama["tokens_per_s"], 4) if llama else None
+        for mode, key, _title in ENGINE_BASELINES:
+            engine = by_prompt.get((r["prompt_id"], mode))
+            r[key] = round(r["tokens_per_s"] / engine["tokens_per_s"], 4) if engine else None
         r["diverges_at"] = first_divergence(base["token_ids"], r["token_ids"]) if base else None
 
 
@@ -49,14 +50,14 @@ def summarize(rows: list[dict], modes: list[Mode], classes: list[str]) -> list[d
             accepted = sum(r["accepted_tokens"] or 0 for r in sel)
             speedups = [r["speedup"] for r in sel if r["speedup"]]
             vs_hf = [r["speedup_vs_hf_target"] for r in sel if r["speedup_vs_hf_target"]]
-            vs_llama = [r["speedup_vs_llama_target"] for r in sel if r.get("speedup_vs_llama_target")]
+            vs_engine = {key: [r[key] for r in sel if r.get(key)] for _mode, key, _title in ENGINE_BASELINES}
             div = [r["diverges_at"] for r in sel if r["diverges_at"] is not None]
             s = {
                 "class": cls, "mode": mode.name, "kind": mode.kind, "prompts": len(sel), "new_tokens": tokens,
                 "tokens_per_s": round(tokens / seconds, 3) if seconds else None,
                 "speedup": round(statistics.geometric_mean(speedups), 4) if speedups else None,
                 "speedup_vs_hf_target": round(statistics.geometric_mean(vs_hf), 4) if vs_hf else None,
-                "speedup_vs_llama_target": round(statistics.geometric_mean(vs_llama), 4) if vs_llama else None,
+                **{key: round(statistics.geometric_mean(v), 4) if v else None for key, v in vs_engine.items()},
                 "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
                 "mean_accepted_length": round(tokens / rounds, 4) if rounds else None,
                 "rounds": rounds,

@@ -56,6 +56,7 @@ from coordinator.benchmarks.analysis import add_relative, summarize
 from coordinator.benchmarks.engines import requested_engines, resolved_engines
 from coordinator.benchmarks.hf_baseline import hf_runner
 from coordinator.benchmarks.interleave import cannot_interleave
+from coordinator.benchmarks.ik_baseline import ik_runner
 from coordinator.benchmarks.llamacpp_baseline import llamacpp_runner
 from coordinator.benchmarks.machine import cpu_features, llamacpp_system_info
 from coordinator.benchmarks.modes import DEFAULT_MODES, drop_unrunnable, parse_modes
@@ -261,7 +262,8 @@ def measure(args: argparse.Namespace, modes, prompts: list[dict], classes: list[
         ours = stack.enter_context(specmesh_runner(args, modes, prompts))
         info, prompt_ids = ours.info, ours.prompt_ids
         baselines = {"hf": lambda: hf_runner(args, modes, prompts, prompt_ids, info["eos_token_ids"]),
-                     "llamacpp": lambda: llamacpp_runner(args, modes, prompts, prompt_ids, info["eos_token_ids"])}
+                     "llamacpp": lambda: llamacpp_runner(args, modes, prompts, prompt_ids, info["eos_token_ids"]),
+                     "ik": lambda: ik_runner(args, modes, prompts, prompt_ids, info["eos_token_ids"])}
         if order == "interleaved" and (why := cannot_interleave(args, modes, info)):
             print(f"bench: note: the sides run one after the other (--order phased): {why}", file=sys.stderr)
             order = "phased"

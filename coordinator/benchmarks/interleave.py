@@ -34,7 +34,7 @@ def baseline_bytes(args, modes: list[Mode], worker_weights: dict) -> int:
     total = hf_model("verifier") if hf_modes else 0
     if any(m.drafter == "model" for m in hf_modes):
         total += hf_model("drafter")
-    llama_modes = [m for m in modes if m.kind == "llamacpp"]
+    llama_modes = [m for m in modes if m.kind in ("llamacpp", "ik")]
     if llama_modes:
         from specmesh.runtime.llamacpp_engine import gguf_file
 

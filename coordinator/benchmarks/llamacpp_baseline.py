@@ -31,7 +31,7 @@ def llamacpp_runner(args, modes: list[Mode], prompts: list[dict], prompt_ids: di
     import llama_cpp
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
-    from specmesh.runtime.llamacpp_engine import gguf_file
+    from specmesh.runtime.llamacpp_engine import default_model_params_without_extra_buffers, gguf_file
 
     path = gguf_file(args.target_model, progress=False)
     threads = args.threads or len(os.sched_getaffinity(0))
@@ -46,9 +46,10 @@ def llamacpp_runner(args, modes: list[Mode], prompts: list[dict], prompt_ids: di
                                                max_ngram_size=args.ngram_max) if mode.drafter == "ngram" else None)
             # flash_attn: Llama's default is off; llama.cpp's own default on CPU (auto) and the specmesh llama.cpp
             # engine run it on, and the two attention kernels round differently (greedy outputs part on near-ties).
-            llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_threads=threads,
-                                  n_threads_batch=threads, flash_attn=args.llama_flash_attn == "on",
-                                  draft_model=draft, use_mmap=False, verbose=False)
+            with default_model_params_without_extra_buffers():
+                llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_threads=threads,
+                                      n_threads_batch=threads, flash_attn=args.llama_flash_attn == "on",
+                                      draft_model=draft, use_mmap=False, verbose=False)
             stack.callback(llm.close)  # frees the model and context now (the Python object follows later)
             generators[mode.name] = counted_generator(llm, eos)
             generators[mode.name](warm, 8)

@@ -5,19 +5,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specmesh.runtime.engine import is_gguf_spec, llamacpp_available
+from specmesh.runtime.engine import ik_available, is_gguf_spec, llamacpp_available
 from specmesh.wire.limits import DEFAULT_MAX_DRAFT_TOKENS
 
-DEFAULT_MODES = "target-only,adaptive,adaptive-cost,pipelined,4,ngram,hf-assisted,hf-target,llama-target,llama-lookup"
+DEFAULT_MODES = ("target-only,adaptive,adaptive-cost,pipelined,4,ngram,hf-assisted,hf-target,ik-target,llama-target,"
+                 "llama-lookup")
 BASELINE = "target-only"  # every speedup is relative to specmesh target-only
 HF_BASELINE = "hf-target"
 LLAMA_BASELINE = "llama-target"
+IK_BASELINE = "ik-target"
+# The engines' own loops, each a column of speedups: (mode, row key, column title).
+ENGINE_BASELINES = ((LLAMA_BASELINE, "speedup_vs_llama_target", "vs llama.cpp target-only"),
+                    (IK_BASELINE, "speedup_vs_ik_target", "vs ik_llama.cpp target-only"))
 
 
 @dataclass(frozen=True)
 class Mode:
     name: str  # as shown in tables
-    kind: str  # "specmesh", "hf" or "llamacpp"
+    kind: str  # "specmesh", "hf", "llamacpp" or "ik"
     drafter: str | None = None  # specmesh: None (target-only), "model" or "ngram"; hf: "model", "ngram" or None;
     #                             llamacpp: None (llama-target) or "ngram" (llama-lookup)
     k: int | None = None  # specmesh: draft length, None = adaptive
@@ -58,9 +63,11 @@ def parse_mode(text: str) -> Mode:
         return Mode(LLAMA_BASELINE, "llamacpp")
     if t in ("llama-lookup", "llama-prompt-lookup", "llamacpp-lookup"):
         return Mode("llama-lookup", "llamacpp", "ngram")
+    if t in ("ik-target", "ik"):
+        return Mode(IK_BASELINE, "ik")
     raise ValueError(f"unknown mode {text!r}: expected target-only|0, adaptive, adaptive-cost, pipelined, "
                      "pipelined-cost, K, ngram, "
-                     "ngram-cost, ngram:K, hf-target, hf-assisted, hf-ngram, llama-target or llama-lookup")
+                     "ngram-cost, ngram:K, hf-target, hf-assisted, hf-ngram, ik-target, llama-target or llama-lookup")
 
 
 def parse_modes(text: str) -> list[Mode]:
@@ -77,21 +84,21 @@ def parse_modes(text: str) -> list[Mode]:
     return modes
 
 
-def llama_skip_reason(target_model: str) -> str | None:
-    """Why the llama.cpp baselines cannot run for this target (None: they can)."""
+def llama_skip_reason(target_model: str, kind: str = "llamacpp") -> str | None:
+    """Why the llama.cpp (or ik_llama.cpp) baselines cannot run for this target (None: they can)."""
     if not is_gguf_spec(target_model):
         return (f"the target {target_model!r} is not a GGUF model (a catalog name or a .gguf path); "
                 "the llama.cpp baselines run GGUF files only")
-    if not llamacpp_available():
-        return "llama-cpp-python is not installed (pip install llama-cpp-python)"
+    if kind == "ik" and not ik_available():
+        return "ik_llama.cpp does not load here (pip install ik-llama-cpp-python; x86-64 Linux)"
+    if kind == "llamacpp" and not llamacpp_available():
+        return "llama-cpp-python is not installed (pip install llama-cpp-python, or the project's [llamacpp] extra)"
     return None
 
 
 def drop_unrunnable(modes: list[Mode], target_model: str) -> tuple[list[Mode], dict[str, str]]:
-    """(the modes that can run, {skipped mode: reason}): llama.cpp baselines need a GGUF target and llama-cpp-python.
+    """(the modes that can run, {skipped mode: reason}): the engines' own loops need a GGUF target and their package.
     Skipping is not an error: the default mode list holds them, and most test models are not GGUF."""
-    llama = [m for m in modes if m.kind == "llamacpp"]
-    reason = llama_skip_reason(target_model) if llama else None
-    if reason is None:
-        return modes, {}
-    return [m for m in modes if m.kind != "llamacpp"], {m.name: reason for m in llama}
+    skipped = {m.name: reason for m in modes if m.kind in ("llamacpp", "ik")
+               and (reason := llama_skip_reason(target_model, m.kind))}
+    return [m for m in modes if m.name not in skipped], skipped

@@ -7,7 +7,7 @@ import math
 import sys
 from pathlib import Path
 
-from coordinator.benchmarks.modes import BASELINE, LLAMA_BASELINE
+from coordinator.benchmarks.modes import BASELINE, ENGINE_BASELINES
 
 
 def _f(value, fmt: str, missing: str = "–") -> str:
@@ -39,6 +39,11 @@ def sweep_markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def engine_columns(modes: set[str]) -> list[tuple[str, str]]:
+    """(row key, title) of each engine's own loop that ran: a speedup column each."""
+    return [(key, title) for mode, key, title in ENGINE_BASELINES if mode in modes]
+
+
 def markdown(report: dict) -> str:
     info, summary, rows = report["info"], report["summary"], report["rows"]
     config = report["config"]
@@ -49,17 +54,17 @@ def markdown(report: dict) -> str:
              f"{config['repeats']}; n-gram drafter n = {config['ngram_min']}.."
              f"{config['ngram_max']}.", ""]
     lines += header_notes(report)
-    has_llama = any(s["mode"] == LLAMA_BASELINE for s in summary)
+    engines = engine_columns({s["mode"] for s in summary})
     lines += ["| class | mode | tokens/s | speedup vs target-only | vs HF target-only | "
-              + ("vs llama.cpp target-only | " if has_llama else "")
+              + "".join(f"{title} | " for _key, title in engines)
               + "acceptance rate | mean accepted length | rounds | first divergence |",
-              "| --- | --- | ---: | ---: | ---: |" + (" ---: |" if has_llama else "") + " ---: | ---: | ---: | --- |"]
+              "| --- | --- | ---: | ---: | ---: |" + " ---: |" * len(engines) + " ---: | ---: | ---: | --- |"]
     for s in summary:
         div = f"{s['diverged_prompts']}/{s['prompts']} prompts, earliest token {s['earliest_divergence']}" \
             if s["diverged_prompts"] else "none"
         lines.append(f"| {s['class']} | {s['mode']} | {_f(s['tokens_per_s'], '.2f')} | {_x(s['speedup'])} | "
                      f"{_x(s['speedup_vs_hf_target'])} | "
-                     + (f"{_x(s.get('speedup_vs_llama_target'))} | " if has_llama else "")
+                     + "".join(f"{_x(s.get(key))} | " for key, _title in engines)
                      + f"{_f(s['acceptance_rate'], '.1%')} | "
                      f"{_f(s['mean_accepted_length'], '.2f')} | {s['rounds']} | {div} |")
     lines += ["", "Per-round breakdown (ms per round, all rounds; draft/verify = coordinator-side wall time of the "
@@ -104,6 +109,9 @@ def header_notes(report: dict) -> list[str]:
         if info.get("draft_tokenizer") == "translated":
             lines.append("- the draft model's tokenizer is not the target's: its drafts are translated through text "
                          "(coordinator/translation.py).")
+        if "ik" in (info.get("verifier_engine"), info.get("drafter_engine")):
+            lines.append("- ik_llama.cpp runs every session in a KV context of its own, where its k-token pass is "
+                         "bit-identical to one-token decoding: the first divergence column must read none.")
         if "llamacpp" in (info.get("verifier_engine"), info.get("drafter_engine")):
             lines.append("- llama.cpp's batched evaluation is not bit-identical to its one-token evaluation: the first "
                          "divergence column (against this run's target-only) is the exactness report.")
@@ -135,6 +143,15 @@ def header_notes(report: dict) -> list[str]:
                      f"{Path(llama.get('gguf') or '').name}"
                      + (f"; llama-lookup: num_pred_tokens {lookup['num_pred_tokens']}, max_ngram_size "
                         f"{lookup['max_ngram_size']}" if lookup else "") + ".")
+    ik = info.get("ik")
+    if ik:
+        lines.append(f"- ik_llama.cpp baseline: {ik.get('package')} {ik.get('version')}, {ik.get('threads')} threads, "
+                     f"flash attention off, {Path(ik.get('gguf') or '').name}; its own one-token C-API loop.")
+    curves = {name: curve for name, curve in (("ik_llama.cpp", (ik or {}).get("verify_curve")),
+                                              ("verifier (Info.verify_costs)", info.get("verify_curve"))) if curve}
+    for name, curve in curves.items():
+        lines.append(f"- v(n) of {name}, one decode of n tokens over one token: "
+                     + ", ".join(f"{k} {v}" for k, v in curve.items()) + ".")
     for mode, reason in (report.get("skipped_modes") or {}).items():
         lines.append(f"- skipped {mode}: {reason}.")
     return lines + [""] if lines else []
@@ -187,11 +204,11 @@ def split_markdown(report: dict) -> str:
              f"- baselines (HF / llama.cpp target-only) in-process on the verifier's CPU {config['verifier_cpu']} with "
              f"{config['threads']} thread(s), no network.",
              *header_notes(report)]
-    has_llama = any(r["mode"] == LLAMA_BASELINE for r in report.get("baseline_rows", []))
+    engines = engine_columns({r["mode"] for r in report.get("baseline_rows", [])})
     lines += ["| one-way delay ms | RTT ms | measured RTT ms | mode | tokens/s | vs target-only (same RTT) | "
-              "vs HF target-only | " + ("vs llama.cpp target-only | " if has_llama else "")
+              "vs HF target-only | " + "".join(f"{title} | " for _key, title in engines)
               + "acceptance | tokens/round | ms/round | draft ms/round | verify ms/round |",
-              "| ---: | ---: | ---: | --- | ---: | ---: | ---: |" + (" ---: |" if has_llama else "")
+              "| ---: | ---: | ---: | --- | ---: | ---: | ---: |" + " ---: |" * len(engines)
               + " ---: | ---: | ---: | ---: | ---: |"]
     first = True
     for run in report["runs"]:
@@ -207,7 +224,7 @@ def split_markdown(report: dict) -> str:
                 f"{_f(run.get('measured_rtt_ms'), '.1f') if network else '–'} | {s['mode']} | "
                 f"{_f(s['tokens_per_s'], '.2f')} | {_x(s['speedup']) if network else '–'} | "
                 f"{_x(s['speedup_vs_hf_target'])} | "
-                + (f"{_x(s.get('speedup_vs_llama_target'))} | " if has_llama else "")
+                + "".join(f"{_x(s.get(key))} | " for key, _title in engines)
                 + f"{_f(s['acceptance_rate'], '.1%')} | {_f(s['mean_accepted_length'], '.2f')} | "
                 f"{_f(ms_round, '.1f')} | {_f(s.get('draft_ms_per_round'), '.1f')} | "
                 f"{_f(s.get('verify_ms_per_round'), '.1f')} |")

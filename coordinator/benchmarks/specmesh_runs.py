@@ -85,6 +85,8 @@ def specmesh_runner(args, modes: list[Mode], prompts: list[dict]) -> Iterator[Ru
                                    for role, worker in (("verifier", base.verifier_info),
                                                         ("drafter", coordinators["model"].drafter_info
                                                          if need_model else None)) if worker is not None},
+                # The verifier's measured cost curve (Info.verify_costs): v(k drafts) over a 0-draft verify.
+                "verify_curve": verify_curve(base.verifier_info),
                 # The fastest health check to each worker: the network round trip the rounds pay.
                 "rtt_ms": {role: round(1000 * s, 3)
                            for role, s in coordinators["model" if need_model else None].round_trip_s.items()}}
@@ -105,6 +107,14 @@ def specmesh_runner(args, modes: list[Mode], prompts: list[dict]) -> Iterator[Ru
         info["memory"] = {role: worker_memory(c, role) for role, c in (("verifier", base),
                                                                       ("drafter", coordinators.get("model")))
                           if c is not None}
+
+
+def verify_curve(info) -> dict[str, float] | None:
+    costs = sorted((c.drafts, c.seconds) for c in getattr(info, "verify_costs", ()))
+    if not costs or costs[0][0] != 0 or costs[0][1] <= 0:
+        return None
+    return {"one_token_ms": round(1000 * costs[0][1], 2),
+            **{f"v({k + 1})": round(seconds / costs[0][1], 3) for k, seconds in costs[1:]}}
 
 
 def worker_memory(coordinator: Coordinator, role: str) -> dict:

@@ -11,7 +11,7 @@ from specmesh.runtime import catalog
 if TYPE_CHECKING:  # the coordinator reads ENGINES from here and must not pay for torch
     import torch
 
-ENGINES = ("auto", "transformers", "llamacpp")
+ENGINES = ("auto", "transformers", "llamacpp", "ik")
 T = TypeVar("T")
 
 
@@ -38,7 +38,7 @@ class CachedTokens(Protocol):
 class ModelEngine(Protocol):
     """A loaded model and the KV caches of its sessions. Info fields are what the worker reports over the wire."""
 
-    engine: str  # "transformers" or "llamacpp"
+    engine: str  # "transformers", "llamacpp" or "ik"
     name: str  # the model spec it was loaded from
     tokenizer: Any  # a transformers tokenizer (text <-> ids, fingerprint, chat template)
     vocab_size: int  # logits width
@@ -82,19 +82,41 @@ def llamacpp_available() -> bool:
     return True
 
 
-def choose_engine(engine: str, spec: str, device: str = "auto", dtype: str = "auto") -> str:
-    """Resolve "auto": llama.cpp for GGUF models on CPU (it runs them quantized, several times faster than
-    dequantised float32 torch), transformers otherwise (HF models, GPUs, tiny test models) and whenever a float dtype
-    is asked for (llama.cpp has none to offer: it runs the GGUF's own weights)."""
-    if engine not in ENGINES:
-        raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
-    if engine != "auto":
-        return engine
+def ik_available() -> bool:
+    """ik_llama.cpp's library loads here (the wheel: x86-64 Linux, AVX2)."""
+    import platform
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    from specmesh.runtime import ik_binding
+
+    return ik_binding.available()
+
+
+def auto_engine(spec: str, device: str = "auto", dtype: str = "auto") -> tuple[str, str]:
+    """What "auto" picks, and why. GGUF models on CPU run quantized: ik_llama.cpp first (its k-token pass costs far
+    less than k steps, and it is exact per session), llama-cpp-python where ik's library does not load, transformers
+    where neither is installed. HF models, GPUs and explicit float dtypes run on transformers."""
     from specmesh.runtime.devices import resolve_device
 
-    on_cpu = resolve_device(device).type == "cpu"
-    wants_llamacpp = on_cpu and dtype == "auto" and is_gguf_spec(spec)
-    return "llamacpp" if wants_llamacpp and llamacpp_available() else "transformers"
+    if not is_gguf_spec(spec):
+        return "transformers", f"{spec} is not a GGUF model"
+    if resolve_device(device).type != "cpu":
+        return "transformers", "the GGUF engines run on CPU here (see docs/engines.md for CUDA builds)"
+    if dtype != "auto":
+        return "transformers", f"--dtype {dtype} asks for float weights"
+    if ik_available():
+        return "ik", "GGUF on an x86-64 CPU and ik_llama.cpp loads"
+    if llamacpp_available():
+        return "llamacpp", "ik_llama.cpp does not load here (ik-llama-cpp-python: x86-64 Linux wheels only)"
+    return "transformers", "neither ik-llama-cpp-python nor llama-cpp-python is installed"
+
+
+def choose_engine(engine: str, spec: str, device: str = "auto", dtype: str = "auto") -> str:
+    """Resolve "auto" (see auto_engine); an explicit engine is kept."""
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    return auto_engine(spec, device, dtype)[0] if engine == "auto" else engine
 
 
 def as_engine(model: Any) -> ModelEngine:
@@ -108,10 +130,20 @@ def as_engine(model: Any) -> ModelEngine:
 
 def load_engine(spec: str, engine: str = "auto", device: str = "auto", dtype: str = "auto",
                 linear_backend: str = "auto", threads: int | None = None, max_sessions: int = 64,
-                context_length: int | None = None, progress: bool = True) -> ModelEngine:
+                context_length: int | None = None, progress: bool = True, repack: bool = False) -> ModelEngine:
     """Load `spec` on the chosen engine. `context_length` caps a session's tokens (llama.cpp sizes its KV cache by
-    it); `max_sessions` is how many sessions the engine must be able to hold at once."""
+    it); `max_sessions` is how many sessions the engine must be able to hold at once; `repack` asks the ik engine for
+    run-time repacked weights (faster, not exact)."""
     chosen = choose_engine(engine, spec, device, dtype)
+    if engine == "auto":
+        import logging
+
+        logging.getLogger(__name__).info("engine auto: %s (%s)", chosen, auto_engine(spec, device, dtype)[1])
+    if chosen == "ik":
+        from specmesh.runtime.ik_engine import IkLlamaEngine
+
+        return IkLlamaEngine.load(spec, device=device, dtype=dtype, threads=threads, max_sessions=max_sessions,
+                                  context_length=context_length, progress=progress, repack=repack)
     if chosen == "llamacpp":
         from specmesh.runtime.llamacpp_engine import LlamaCppEngine
 

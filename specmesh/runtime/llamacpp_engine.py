@@ -21,6 +21,7 @@ import os
 import threading
 import weakref
 from collections.abc import Callable, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -54,6 +55,39 @@ def _llama():
             llama_cpp.llama_backend_init()
             _backend_initialised = True
     return llama_cpp
+
+
+def extra_buffer_types_safe() -> bool:
+    """Whether llama.cpp's extra CPU buffer types (AMX tiles, repacked weights) may be used here. On CPUs with AMX,
+    llama-cpp-python 0.3.36 built for the machine (GGML_NATIVE) segfaults in the first llama_decode of every model
+    tried (measured on a 2-core Sapphire Rapids: smollm2 Q4_1, Qwen2.5 0.5B/1.5B); without them it runs."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "amx_int8" not in f.read()
+    except OSError:
+        return True
+
+
+@contextmanager
+def default_model_params_without_extra_buffers():
+    """llama_cpp.Llama builds its model parameters itself: where extra buffer types crash, hand it defaults without."""
+    import llama_cpp.llama_cpp as low_level
+
+    if extra_buffer_types_safe():
+        yield
+        return
+    plain = low_level.llama_model_default_params
+
+    def without_extra_buffers():
+        params = plain()
+        params.use_extra_bufts = False
+        return params
+
+    low_level.llama_model_default_params = without_extra_buffers
+    try:
+        yield
+    finally:
+        low_level.llama_model_default_params = plain
 
 
 def gguf_file(spec: str, progress: bool = True) -> Path:
@@ -117,6 +151,7 @@ class LlamaCppEngine:
         self._thread = ModelThread("llamacpp-forward")
         model_params = llama_cpp.llama_model_default_params()
         model_params.n_gpu_layers = 0 if device == "cpu" else -1
+        model_params.use_extra_bufts = extra_buffer_types_safe()
         self._model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params)
         if not self._model:
             raise ValueError(f"llama.cpp could not load {path}")

@@ -41,9 +41,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser, default_model: str) -> 
     parser.add_argument("--dtype", default="auto", help="auto|float32|bfloat16|float16|float64; auto = bf16 on CUDA "
                         "and on CPUs with avx512_bf16/AMX, else float32")
     parser.add_argument("--engine", choices=ENGINES, default="auto",
-                        help="model runtime: llamacpp runs a GGUF file quantized with llama.cpp, transformers runs "
-                        "any HF model in torch (exact in float32, GPUs); auto = llamacpp for GGUF files and catalog "
-                        "models on CPU unless --dtype is given, else transformers")
+                        help="model runtime: ik runs a GGUF file quantized with ik_llama.cpp (exact per session), "
+                        "llamacpp with llama-cpp-python, transformers runs any HF model in torch (exact in float32, "
+                        "GPUs); auto = ik (else llamacpp) for GGUF files and catalog models on CPU unless --dtype is "
+                        "given, else transformers")
+    parser.add_argument("--repack", action="store_true",
+                        help="ik engine: repack the weights at load for faster kernels (not exact; off by default)")
     parser.add_argument("--linear-backend", choices=onednn.BACKENDS, default="auto",
                         help="CPU linear layers: onednn runs them with oneDNN's inner product, which makes a pass over a "
                         "few tokens (verifying k drafts, batched sessions) far cheaper than torch's default kernels; "
@@ -125,7 +128,7 @@ def serve_main(command: RoleCommand, argv: list[str] | None = None) -> int:
                                                    max_cache_bytes=args.max_cache_bytes),
                               max_draft_tokens=args.max_draft_tokens, max_context_length=args.max_context_length)
         model = ModelConfig(model=args.model, engine=args.engine, device=args.device, dtype=args.dtype,
-                            linear_backend=args.linear_backend, threads=args.threads)
+                            linear_backend=args.linear_backend, threads=args.threads, repack=args.repack)
         faults = FaultInjection(inject_latency_s=args.inject_latency)
         warning = exposure_warning(args.host, tls, token)
         if warning:

@@ -52,11 +52,12 @@ class ServerConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     model: str  # a model spec (specmesh/runtime/models.py)
-    engine: str = "auto"  # "transformers", "llamacpp", or auto: llama.cpp for GGUF models on CPU (specmesh/runtime)
+    engine: str = "auto"  # "transformers", "llamacpp", "ik", or auto: ik (else llama.cpp) for GGUF models on CPU
     device: str = "auto"
     dtype: str = "auto"
     linear_backend: str = "auto"  # CPU: "onednn" runs linear layers on oneDNN (specmesh/runtime/onednn.py), "torch" does not
     threads: int | None = None
+    repack: bool = False  # ik engine: weights repacked at load (faster, not exact)
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -74,7 +75,8 @@ class ModelConfig:
             return as_engine(preloaded)
         engine = load_engine(self.model, engine=self.engine, device=self.device, dtype=self.dtype,
                              linear_backend=self.linear_backend, threads=self.threads,
-                             max_sessions=server.limits.max_sessions, context_length=server.max_context_length)
+                             max_sessions=server.limits.max_sessions, context_length=server.max_context_length,
+                             repack=self.repack)
         engine.release_tokenizer()  # the worker's own: nothing but the load needed it (a preloaded one may be shared)
         return engine
 

@@ -48,7 +48,10 @@ def close(a: torch.Tensor, b: torch.Tensor) -> None:
     assert torch.allclose(a, b, atol=0.5, rtol=0), (a - b).abs().max()
 
 
-def test_auto_picks_llamacpp_for_gguf_on_cpu_only():
+def test_auto_picks_a_gguf_engine_on_cpu_only(monkeypatch):
+    from specmesh.runtime import engine
+
+    monkeypatch.setattr(engine, "ik_available", lambda: False)  # where ik_llama.cpp does not load: llama.cpp
     assert choose_engine("auto", SMOL, "cpu") == "llamacpp"
     assert choose_engine("auto", "/models/x.gguf", "cpu") == "llamacpp"
     assert choose_engine("auto", SMOL, "cpu", "float32") == "transformers"  # a float dtype asks for torch

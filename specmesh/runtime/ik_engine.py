@@ -1,0 +1,316 @@
+"""The ik_llama.cpp engine: a GGUF model run quantized by ik_llama.cpp (PyPI `ik-llama-cpp-python`, a prebuilt wheel).
+
+Same kernels family as llama.cpp, two properties that matter to speculative decoding on a CPU:
+- a k-token pass costs far less than k one-token steps (v(5) about 2.5 steps against 3.6 on llama-cpp-python), so
+  drafts can pay;
+- with flash attention off, a session's k-token pass is bit-identical to its one-token passes, as long as the session
+  is alone in its KV cache with its cells in position order. Measured (tests/specmesh/runtime/test_ik_engine.py and
+  docs/engines.md): chunks of 2..16 tokens give max |logit diff| 0.0 against one-token decoding; the same session
+  decoded while another session's cells sit in the same cache differs by 0.28 (the attention sums over the cells in
+  use, and SIMD lanes group them differently), and in a batch shared with a long session by up to 16.5.
+
+So every session owns a llama context of its own (one model, many contexts: the weights are held once), and a pass
+is one `llama_decode` per session: greedy speculative output equals the engine's own one-token greedy decoding token
+for token. Contexts are made on first use, recycled when a session ends, and capped by a KV budget: past it, the
+least recently used session outside the current call gives its context up (its history stays, its next call
+recomputes it).
+
+Sessions are never batched into one `llama_decode` (the llama.cpp engine's layout: one context, a sequence id per
+session). On ik_llama.cpp that layout is not merely inexact but wrong: three sessions of 60 tokens in one pass moved a
+row's logits by 7.3 (smollm2-135m; 16.5 on the 1.5B default target), where rounding moves them by 0.3; only ubatches
+of one token (no batching at all) were exact. Nothing in the context parameters (graph reuse, rope cache, fused ops)
+changed that.
+
+Flash attention stays off: with it on, ik_llama.cpp aborts the process on some multi-sequence prefills
+(`iqk_fa_templates.h: GGML_ASSERT(S > 0)`) and moves a session's logits when another session shares its batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+
+from specmesh.runtime import ik_binding
+from specmesh.runtime.kv_cache import reusable_length
+from specmesh.runtime.llamacpp_engine import file_type, gguf_file
+from specmesh.runtime.model_thread import ModelThread
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+DEFAULT_SESSION_CELLS = 4096  # a session's longest history unless --max-context-length says otherwise
+DEFAULT_KV_BUDGET_CELLS = 32768  # KV cells of all contexts together: 0.9 GiB on the 1.5B default target
+# Contexts of one model, at most. ik_llama.cpp segfaults when a process makes its 32nd context (measured: 31 work), a
+# limit of its ggml build; 16 leaves room for the drafter and verifier engines of an in-process test.
+MAX_CONTEXTS = 16
+# Tokens in one llama_decode, at most. From 32 tokens on, ik_llama.cpp multiplies by the weights on another kernel path:
+# its logits differ from one-token decoding by 0.37 on Qwen2.5 Q4_K_M (rounding) and by 19.8 on SmolLM2 Q4_1 (wrong).
+# Up to 31 every pass is bit-identical to one-token decoding (measured for 2, 4, 8, 16, 17, 24, 31). So prompts are
+# prefilled in passes of 31: 1.6x the time of one pass (256 tokens of the 1.5B: 3.76 s against 2.37 s), and a prefill,
+# a resync after failover and a verify all give the logits one-token decoding gives.
+MAX_PASS_TOKENS = 31
+
+
+SEQ_ID = 0  # a context holds one session, always this sequence id
+
+
+class IkSequence:
+    """One session's tokens in a llama context of its own, bound on its first pass."""
+
+    def __init__(self, engine: IkLlamaEngine) -> None:
+        self.engine = engine
+        self.context: int | None = None  # the llama context handle; None until a pass needs one, or when evicted
+        self.cached_tokens: list[int] = []
+        self.last_used = 0  # engine clock tick of its last pass: the least recently used give their cells up first
+
+    def rollback(self, length: int) -> None:
+        if len(self.cached_tokens) > length:
+            if self.context is not None:
+                self.engine.remove_cells(self, length)
+            del self.cached_tokens[length:]
+
+    def reusable_length(self, sequence: Sequence[int], last_n: int) -> int:
+        return reusable_length(self.cached_tokens, sequence, last_n)
+
+    def logits_for(self, sequence: Sequence[int], last_n: int) -> torch.Tensor:
+        return self.engine.batched_logits([self], [sequence], [last_n])[0]
+
+    @property
+    def num_bytes(self) -> int:
+        return len(self.cached_tokens) * self.engine.kv_bytes_per_token
+
+
+class IkLlamaEngine:
+    engine = "ik"
+    linear_backend = ""  # ik_llama.cpp's own kernels
+
+    def __init__(self, spec: str, path: Path, tokenizer, fingerprint: str, *, device: str = "cpu",
+                 threads: int | None = None, max_sessions: int = 64, context_length: int | None = None,
+                 kv_budget_cells: int = DEFAULT_KV_BUDGET_CELLS, repack: bool = False) -> None:
+        lib = ik_binding.bind()
+        self._lib, api = lib, lib.api
+        if device != "cpu" and not lib.supports_gpu_offload():
+            raise ValueError("this ik_llama.cpp build has no GPU offload (the PyPI wheel is CPU-only): install the "
+                             "binding's CUDA wheel, or use --engine llamacpp built with CUDA, or --device cpu")
+        torch.set_num_threads(1)  # torch only samples a few logits rows here; llama's threads own the cores
+        self._thread = ModelThread("ik-forward")
+        model_params = api.llama_model_default_params()
+        model_params.n_gpu_layers = 0 if device == "cpu" else 999
+        model_params.repack_tensors = repack  # faster, not exact: opt-in only
+        self._model = api.llama_model_load_from_file(str(path).encode(), model_params)
+        if not self._model:
+            raise ValueError(f"ik_llama.cpp could not load {path}")
+        self._vocab = api.llama_model_get_vocab(self._model)
+        n_ctx_train = lib.n_ctx_train(self._model)
+        self.session_cells = context_length or min(n_ctx_train or DEFAULT_SESSION_CELLS, DEFAULT_SESSION_CELLS)
+        self.threads = threads or len(os.sched_getaffinity(0))
+        # As many one-session contexts as the budget holds; at least 2 (a verifier's cost probe and a client), at
+        # most MAX_CONTEXTS. More sessions than that take turns (LRU).
+        self.max_contexts = min(MAX_CONTEXTS, max(2, kv_budget_cells // self.session_cells), max_sessions + 1)
+        self._contexts: list[int] = []
+        self._idle_contexts: list[int] = []  # contexts no session holds, their cells cleared
+        self._batch = api.llama_batch_init(MAX_PASS_TOKENS, 0, 1)
+        self._closed = False
+
+        self.name = spec
+        self.path = path
+        self.tokenizer = tokenizer
+        self.fingerprint = fingerprint
+        self.vocab_size = api.llama_vocab_n_tokens(self._vocab)
+        self.eos_token_ids = self._eos_ids(tokenizer)
+        self.device = "cpu" if device == "cpu" else "cuda"
+        self.dtype = file_type(self._describe())
+        self.has_chat_template = bool(getattr(tokenizer, "chat_template", None))
+        self.context_limit = min(self.session_cells, n_ctx_train) if n_ctx_train > 0 else self.session_cells
+        self.max_batch_size = 1  # one pass per session (see the module docstring): nothing to batch
+        self.kv_bytes_per_token = ik_binding.kv_bytes_per_token(lib, self._model)
+        self.weights_bytes = lib.model_size(self._model)
+        self.repack = repack
+
+        self._released: list[int] = []  # contexts of dropped sessions, cleared on the model thread
+        self._live: weakref.WeakSet[IkSequence] = weakref.WeakSet()
+        self._clock = 0
+        self._lock = threading.RLock()
+
+    @classmethod
+    def load(cls, spec: str, device: str = "auto", dtype: str = "auto", threads: int | None = None,
+             max_sessions: int = 64, context_length: int | None = None, progress: bool = True,
+             repack: bool = False) -> IkLlamaEngine:
+        from specmesh.runtime.devices import resolve_device
+        from specmesh.runtime.fingerprint import tokenizer_fingerprint
+        from specmesh.runtime.tokenizer import load_tokenizer
+
+        if dtype != "auto":
+            raise ValueError(f"--dtype {dtype} applies to the transformers engine; ik_llama.cpp runs the GGUF's own "
+                             "(quantized) weights")
+        if threads is not None and threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        path = gguf_file(spec, progress)
+        tokenizer = load_tokenizer(spec, progress=progress)
+        return cls(spec, path, tokenizer, tokenizer_fingerprint(tokenizer), device=resolve_device(device).type,
+                   threads=threads, max_sessions=max_sessions, context_length=context_length, repack=repack)
+
+    def _new_context(self) -> int:
+        api = self._lib.api
+        params = api.llama_context_default_params()
+        params.n_ctx = self.session_cells
+        params.n_batch = params.n_ubatch = MAX_PASS_TOKENS
+        params.n_seq_max = 1
+        params.n_threads = params.n_threads_batch = self.threads
+        params.flash_attn = False  # see the module docstring: on, it aborts and is not exact
+        handle = api.llama_init_from_model(self._model, params)
+        if not handle:
+            raise RuntimeError(f"ik_llama.cpp could not create a context of {self.session_cells} cells")
+        self._contexts.append(handle)
+        return handle
+
+    def _describe(self) -> str:
+        import ctypes
+
+        buffer = ctypes.create_string_buffer(256)
+        self._lib.api.llama_model_desc(self._model, buffer, ctypes.sizeof(buffer))
+        return buffer.value.decode(errors="replace")
+
+    def _eos_ids(self, tokenizer) -> tuple[int, ...]:
+        ids = {self._lib.vocab_eos(self._vocab), self._lib.token_eot(self._model),
+               getattr(tokenizer, "eos_token_id", None)}
+        return tuple(sorted(i for i in ids if i is not None and i >= 0))
+
+    @property
+    def contexts_in_use(self) -> int:
+        return len(self._contexts) - len(self._idle_contexts)
+
+    # ------------------------------------------------------------------ sessions
+
+    def new_sequence(self) -> IkSequence:
+        with self._lock:
+            self._free_released()
+            sequence = IkSequence(self)
+            self._live.add(sequence)
+            return sequence
+
+    def _bind(self, sequence: IkSequence, context: int) -> None:
+        sequence.context = context
+        # A dropped session (ended, evicted, expired) hands its context back; its cells are removed before the next
+        # pass, on the model thread, never from whichever thread happened to drop the last reference.
+        sequence._finalizer = weakref.finalize(sequence, self._released.append, context)
+
+    def _unbind(self, sequence: IkSequence) -> None:
+        """Take a session's context away (eviction): its history stays with its session, its keys go."""
+        sequence._finalizer.detach()
+        self._lib.kv_cache_seq_rm(sequence.context, SEQ_ID, -1, -1)
+        self._idle_contexts.append(sequence.context)
+        sequence.context = None
+        sequence.cached_tokens.clear()
+
+    def _free_released(self) -> None:
+        while self._released:
+            context = self._released.pop()
+            self._lib.kv_cache_seq_rm(context, SEQ_ID, -1, -1)
+            self._idle_contexts.append(context)
+
+    def remove_cells(self, sequence: IkSequence, start: int) -> None:
+        with self._lock:
+            if not self._lib.kv_cache_seq_rm(sequence.context, SEQ_ID, start, -1):
+                raise RuntimeError(f"ik_llama.cpp could not remove cells past {start}")
+
+    def _context_for(self, sequence: IkSequence, call: Sequence[IkSequence]) -> None:
+        """Give a session a context of its own: an idle one, a new one under the budget, or the least recently used
+        other session's (not one of this call's)."""
+        if sequence.context is not None:
+            return
+        if not self._idle_contexts and len(self._contexts) < self.max_contexts:
+            self._idle_contexts.append(self._new_context())
+        if not self._idle_contexts:
+            kept = {id(s) for s in call}
+            holders = [s for s in list(self._live) if s.context is not None and id(s) not in kept]
+            if not holders:
+                raise RuntimeError(f"all {self.max_contexts} ik_llama.cpp contexts are held by this call's sessions")
+            victim = min(holders, key=lambda s: s.last_used)
+            log.info("ik_llama.cpp KV budget full: a session of %d tokens gave its context up",
+                     len(victim.cached_tokens))
+            self._unbind(victim)
+        self._bind(sequence, self._idle_contexts.pop())
+
+    # ------------------------------------------------------------------ forward
+
+    def release_tokenizer(self) -> None:
+        self.tokenizer = None
+
+    def run_on_model_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        return self._thread.run(fn, *args)
+
+    def batched_logits(self, sequences: Sequence[IkSequence], requests: Sequence[Sequence[int]],
+                       last_ns: Sequence[int]) -> list[torch.Tensor]:
+        if not len(sequences) == len(requests) == len(last_ns):
+            raise ValueError("sequences, requests and last_ns must have the same length")
+        if len(set(map(id, sequences))) != len(sequences):
+            raise ValueError("a sequence may appear only once in a batch")
+        for tokens, last_n in zip(requests, last_ns):
+            if not 1 <= last_n <= len(tokens):
+                raise ValueError(f"last_n={last_n} out of range for a sequence of {len(tokens)} tokens")
+            if len(tokens) > self.context_limit:
+                raise ValueError(f"{len(tokens)} tokens exceed the context of {self.context_limit}")
+        return self._thread.run(self._forward, list(sequences), [list(r) for r in requests], list(last_ns))
+
+    def _forward(self, sequences: list[IkSequence], requests: list[list[int]],
+                 last_ns: list[int]) -> list[torch.Tensor]:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the ik_llama.cpp engine is closed")
+            self._free_released()
+            self._clock += 1
+            results = []
+            for sequence, tokens, last_n in zip(sequences, requests, last_ns):  # a pass per session, each alone
+                self._context_for(sequence, sequences)
+                results.append(self._decode(sequence, tokens, last_n))
+            return results
+
+    def _decode(self, sequence: IkSequence, tokens: list[int], last_n: int) -> torch.Tensor:
+        """The tokens of `tokens` the session's cache lacks, in passes of at most MAX_PASS_TOKENS; the logits of its
+        last `last_n` positions."""
+        api = self._lib.api
+        sequence.rollback(sequence.reusable_length(tokens, last_n))
+        start = len(sequence.cached_tokens)
+        fresh = tokens[start:]
+        first_wanted = len(fresh) - last_n  # index in `fresh` of the first position whose logits are asked for
+        rows = np.empty((last_n, self.vocab_size), dtype=np.float32)
+        batch = self._batch
+        for chunk in range(0, len(fresh), MAX_PASS_TOKENS):
+            part = fresh[chunk:chunk + MAX_PASS_TOKENS]
+            for j, token in enumerate(part):
+                batch.token[j] = token
+                batch.pos[j] = start + chunk + j  # cells fill in position order: the layout one-token decoding has
+                batch.n_seq_id[j] = 1
+                batch.seq_id[j][0] = SEQ_ID
+                batch.logits[j] = chunk + j >= first_wanted
+            batch.n_tokens = len(part)
+            status = api.llama_decode(sequence.context, batch)
+            if status != 0:
+                sequence.rollback(0)  # a failed decode may leave part of the tokens in the cache
+                raise RuntimeError(f"llama_decode failed with status {status}")
+            sequence.cached_tokens.extend(part)
+            for j in range(max(0, first_wanted - chunk), len(part)):
+                rows[chunk + j - first_wanted] = np.ctypeslib.as_array(
+                    api.llama_get_logits_ith(sequence.context, j), shape=(self.vocab_size,))
+        sequence.last_used = self._clock
+        return torch.from_numpy(rows)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            api = self._lib.api
+            api.llama_batch_free(self._batch)
+            for context in self._contexts:
+                api.llama_free(context)
+            api.llama_free_model(self._model)

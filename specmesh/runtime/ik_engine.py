@@ -11,9 +11,14 @@ Same kernels family as llama.cpp, two properties that matter to speculative deco
 
 So every session owns a llama context of its own (one model, many contexts: the weights are held once), and a pass
 is one `llama_decode` per session: greedy speculative output equals the engine's own one-token greedy decoding token
-for token. Contexts are made on first use, recycled when a session ends, and capped by a KV budget: past it, the
-least recently used session outside the current call gives its context up (its history stays, its next call
-recomputes it).
+for token. Contexts are made on first use and capped by a KV budget: past it, the least recently used session outside
+the current call gives its context up (its history stays, its next call recomputes it).
+
+Prefix caching: a context a session gave up (it ended, was evicted or expired) keeps its cells and the tokens they
+hold. A new session takes the idle context holding the longest prefix of its tokens and computes only the rest, so
+turn n of a conversation prefills what turn n added. The kept cells were computed by passes of at most 31 tokens, the
+same as a fresh prefill's, so a resumed prefix gives the logits a fresh prefill gives, bit for bit. Idle contexts are
+reused least recently used first when no prefix matches.
 
 Sessions are never batched into one `llama_decode` (the llama.cpp engine's layout: one context, a sequence id per
 session). On ik_llama.cpp that layout is not merely inexact but wrong: three sessions of 60 tokens in one pass moved a
@@ -32,6 +37,7 @@ import os
 import threading
 import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -48,9 +54,12 @@ T = TypeVar("T")
 
 DEFAULT_SESSION_CELLS = 4096  # a session's longest history unless --max-context-length says otherwise
 DEFAULT_KV_BUDGET_CELLS = 32768  # KV cells of all contexts together: 0.9 GiB on the 1.5B default target
-# Contexts of one model, at most. ik_llama.cpp segfaults when a process makes its 32nd context (measured: 31 work), a
-# limit of its ggml build; 16 leaves room for the drafter and verifier engines of an in-process test.
+# Contexts of one engine, at most, and of all engines of the process together: ik_llama.cpp segfaults when a process
+# holds 32 contexts at once (measured: 31 work; freed ones do not count), a limit of its ggml build.
 MAX_CONTEXTS = 16
+PROCESS_MAX_CONTEXTS = 30
+_process_contexts = 0  # live contexts of every engine in this process
+_process_lock = threading.Lock()
 # Tokens in one llama_decode, at most. From 32 tokens on, ik_llama.cpp multiplies by the weights on another kernel path:
 # its logits differ from one-token decoding by 0.37 on Qwen2.5 Q4_K_M (rounding) and by 19.8 on SmolLM2 Q4_1 (wrong).
 # Up to 31 every pass is bit-identical to one-token decoding (measured for 2, 4, 8, 16, 17, 24, 31). So prompts are
@@ -60,6 +69,14 @@ MAX_PASS_TOKENS = 31
 
 
 SEQ_ID = 0  # a context holds one session, always this sequence id
+
+
+@dataclass
+class _Idle:
+    """A context no session holds, with the tokens its cells still hold (a prefix cache entry)."""
+
+    tokens: list[int]
+    last_used: int
 
 
 class IkSequence:
@@ -117,7 +134,9 @@ class IkLlamaEngine:
         # most MAX_CONTEXTS. More sessions than that take turns (LRU).
         self.max_contexts = min(MAX_CONTEXTS, max(2, kv_budget_cells // self.session_cells), max_sessions + 1)
         self._contexts: list[int] = []
-        self._idle_contexts: list[int] = []  # contexts no session holds, their cells cleared
+        self._idle: dict[int, _Idle] = {}  # contexts no session holds -> the tokens their cells keep
+        self.prefix_hits = 0  # sessions that started from an idle context's cached prefix
+        self.prefix_reused_tokens = 0  # tokens those sessions did not have to compute
         self._batch = api.llama_batch_init(MAX_PASS_TOKENS, 0, 1)
         self._closed = False
 
@@ -136,7 +155,7 @@ class IkLlamaEngine:
         self.weights_bytes = lib.model_size(self._model)
         self.repack = repack
 
-        self._released: list[int] = []  # contexts of dropped sessions, cleared on the model thread
+        self._released: list[tuple[int, list[int]]] = []  # (context, cached tokens) of dropped sessions
         self._live: weakref.WeakSet[IkSequence] = weakref.WeakSet()
         self._clock = 0
         self._lock = threading.RLock()
@@ -167,11 +186,17 @@ class IkLlamaEngine:
         params.n_seq_max = 1
         params.n_threads = params.n_threads_batch = self.threads
         params.flash_attn = False  # see the module docstring: on, it aborts and is not exact
-        handle = api.llama_init_from_model(self._model, params)
-        if not handle:
-            raise RuntimeError(f"ik_llama.cpp could not create a context of {self.session_cells} cells")
+        global _process_contexts
+        with _process_lock:
+            handle = api.llama_init_from_model(self._model, params)
+            if not handle:
+                raise RuntimeError(f"ik_llama.cpp could not create a context of {self.session_cells} cells")
+            _process_contexts += 1
         self._contexts.append(handle)
         return handle
+
+    def _may_add_context(self) -> bool:
+        return len(self._contexts) < self.max_contexts and _process_contexts < PROCESS_MAX_CONTEXTS
 
     def _describe(self) -> str:
         import ctypes
@@ -187,7 +212,13 @@ class IkLlamaEngine:
 
     @property
     def contexts_in_use(self) -> int:
-        return len(self._contexts) - len(self._idle_contexts)
+        return len(self._contexts) - len(self._idle) - len(self._released)  # released: idle from the next pass on
+
+    def cached_prefixes(self) -> list[list[int]]:
+        """The token sequences the idle contexts keep (the prefix cache), most recently used last."""
+        with self._lock:
+            self._free_released()
+            return [list(idle.tokens) for idle in sorted(self._idle.values(), key=lambda idle: idle.last_used)]
 
     # ------------------------------------------------------------------ sessions
 
@@ -200,37 +231,46 @@ class IkLlamaEngine:
 
     def _bind(self, sequence: IkSequence, context: int) -> None:
         sequence.context = context
-        # A dropped session (ended, evicted, expired) hands its context back; its cells are removed before the next
-        # pass, on the model thread, never from whichever thread happened to drop the last reference.
-        sequence._finalizer = weakref.finalize(sequence, self._released.append, context)
+        sequence.cached_tokens = self._idle.pop(context).tokens  # the cells' tokens: the session starts from them
+        # A dropped session (ended, evicted, expired) hands its context back with its tokens (a prefix cache entry),
+        # taken on the model thread, never from whichever thread happened to drop the last reference. The finalizer
+        # holds the token list, not the session.
+        sequence._finalizer = weakref.finalize(sequence, self._released.append, (context, sequence.cached_tokens))
 
     def _unbind(self, sequence: IkSequence) -> None:
-        """Take a session's context away (eviction): its history stays with its session, its keys go."""
+        """Take a session's context away (eviction): its cells stay as a prefix cache entry, its history stays with
+        its session (whose next call may well find its own prefix there again)."""
         sequence._finalizer.detach()
-        self._lib.kv_cache_seq_rm(sequence.context, SEQ_ID, -1, -1)
-        self._idle_contexts.append(sequence.context)
+        self._idle[sequence.context] = _Idle(sequence.cached_tokens, self._clock)
         sequence.context = None
-        sequence.cached_tokens.clear()
+        sequence.cached_tokens = []
 
     def _free_released(self) -> None:
         while self._released:
-            context = self._released.pop()
-            self._lib.kv_cache_seq_rm(context, SEQ_ID, -1, -1)
-            self._idle_contexts.append(context)
+            context, tokens = self._released.pop()
+            self._idle[context] = _Idle(tokens, self._clock)
 
     def remove_cells(self, sequence: IkSequence, start: int) -> None:
         with self._lock:
             if not self._lib.kv_cache_seq_rm(sequence.context, SEQ_ID, start, -1):
                 raise RuntimeError(f"ik_llama.cpp could not remove cells past {start}")
 
-    def _context_for(self, sequence: IkSequence, call: Sequence[IkSequence]) -> None:
-        """Give a session a context of its own: an idle one, a new one under the budget, or the least recently used
-        other session's (not one of this call's)."""
+    def _context_for(self, sequence: IkSequence, tokens: list[int], last_n: int,
+                     call: Sequence[IkSequence]) -> None:
+        """Give a session a context of its own: the idle one holding the longest prefix of `tokens`; else an empty
+        new one under the budget; else the least recently used idle one; else the least recently used other session's
+        (not one of this call's)."""
         if sequence.context is not None:
             return
-        if not self._idle_contexts and len(self._contexts) < self.max_contexts:
-            self._idle_contexts.append(self._new_context())
-        if not self._idle_contexts:
+        best, best_length = None, 0
+        for context, idle in self._idle.items():
+            length = reusable_length(idle.tokens, tokens, last_n)
+            if length > best_length:
+                best, best_length = context, length
+        if best is None and self._may_add_context():
+            best = self._new_context()
+            self._idle[best] = _Idle([], self._clock)
+        if best is None and not self._idle:
             kept = {id(s) for s in call}
             holders = [s for s in list(self._live) if s.context is not None and id(s) not in kept]
             if not holders:
@@ -239,7 +279,14 @@ class IkLlamaEngine:
             log.info("ik_llama.cpp KV budget full: a session of %d tokens gave its context up",
                      len(victim.cached_tokens))
             self._unbind(victim)
-        self._bind(sequence, self._idle_contexts.pop())
+            best = next(iter(self._idle))  # the victim's context: the only idle one
+            best_length = reusable_length(self._idle[best].tokens, tokens, last_n)
+        if best is None:
+            best = min(self._idle, key=lambda context: self._idle[context].last_used)
+        if best_length:
+            self.prefix_hits += 1
+            self.prefix_reused_tokens += best_length
+        self._bind(sequence, best)
 
     # ------------------------------------------------------------------ forward
 
@@ -271,7 +318,7 @@ class IkLlamaEngine:
             self._clock += 1
             results = []
             for sequence, tokens, last_n in zip(sequences, requests, last_ns):  # a pass per session, each alone
-                self._context_for(sequence, sequences)
+                self._context_for(sequence, tokens, last_n, sequences)
                 results.append(self._decode(sequence, tokens, last_n))
             return results
 
@@ -312,6 +359,9 @@ class IkLlamaEngine:
             self._closed = True
             api = self._lib.api
             api.llama_batch_free(self._batch)
-            for context in self._contexts:
-                api.llama_free(context)
+            global _process_contexts
+            with _process_lock:
+                for context in self._contexts:
+                    api.llama_free(context)
+                _process_contexts -= len(self._contexts)
             api.llama_free_model(self._model)

@@ -34,6 +34,8 @@ from specmesh.worker.role import WorkerEngine, WorkerRole
 
 log = logging.getLogger(__name__)
 
+STOP_MARGIN_S = 5.0  # how long stop() waits for gRPC beyond the grace period before giving up on it
+
 SERVER_OPTIONS = [
     ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
     ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
@@ -42,6 +44,13 @@ SERVER_OPTIONS = [
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.so_reuseport", 0),  # an ephemeral port must never be shared with a stale server
 ]
+
+
+def prefix_cache_fields(engine) -> dict[str, int]:
+    """The model engine's prefix-cache counters, by InfoResponse field name (none for engines without one)."""
+    loaded = getattr(engine, "loaded", None)
+    return {"prefix_cache_hits": getattr(loaded, "prefix_hits", 0),
+            "prefix_cache_reused_tokens": getattr(loaded, "prefix_reused_tokens", 0)}
 
 
 def resident_bytes() -> int:
@@ -77,7 +86,8 @@ def rpc(handler: Callable) -> Callable:
         logs.session_id.set(getattr(request, "session_id", ""))
         logs.request_id.set(dict(context.invocation_metadata() or ()).get("x-request-id", ""))
         try:
-            return handler(self, request, context)
+            with self.worker.call_in_flight():
+                return handler(self, request, context)
         except Exception as e:
             status = status_for(e)
             code = status.name
@@ -134,7 +144,8 @@ class WorkerServicerBase:
             eos_token_ids=list(model.eos_token_ids), device=model.device, dtype=model.dtype,
             max_draft_tokens=worker.config.max_draft_tokens, max_context_length=worker.max_context_length,
             role=worker.role.name, active_sessions=len(engine.sessions), engine=model.engine,
-            resident_bytes=resident_bytes(), weights_bytes=model.weights_bytes, **worker.role.info_fields(engine))
+            resident_bytes=resident_bytes(), weights_bytes=model.weights_bytes, **prefix_cache_fields(engine),
+            **worker.role.info_fields(engine))
 
     @rpc
     def EndSession(self, request, context) -> pb.EndSessionResponse:
@@ -173,9 +184,15 @@ class WorkerServer:
             self.port = self._server.add_insecure_port(bind)
         if self.port == 0:
             raise OSError(f"could not bind {config.host}:{config.port}")
+        self._stop_lock = threading.Lock()
         self._stopped = threading.Event()
         self.stopping = self._stopped  # set once shutdown begins: injected waits end early
-        self.terminated = threading.Event()  # set once every call has finished or been cancelled
+        self.stop_started = 0.0  # time.monotonic() when it began
+        self.terminated = threading.Event()  # set once stop() has ended, however it ended
+        self._calls_lock = threading.Lock()
+        self._calls = 0
+        self.drained = threading.Event()  # set while no servicer call is running (checked by the model loop at exit)
+        self.drained.set()
 
     @property
     def address(self) -> str:
@@ -203,20 +220,72 @@ class WorkerServer:
             metrics.gauge("specmesh_active_sessions", "sessions whose KV cache this worker holds", ["role"],
                           [([role], len(engine.sessions))]),
             metrics.gauge("specmesh_kv_cache_bytes", "bytes of keys/values cached across sessions", ["role"],
-                          [([role], engine.sessions.cache_bytes)])])
+                          [([role], engine.sessions.cache_bytes)]),
+            *[metrics.gauge(f"specmesh_{name}", what, ["role"], [([role], prefix_cache_fields(engine)[name])])
+              for name, what in (("prefix_cache_hits", "sessions that started from a cached prefix"),
+                                 ("prefix_cache_reused_tokens", "tokens reused from cached prefixes"))]])
         self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info("%s ready: model=%s engine=%s device=%s dtype=%s linear=%s port=%d", role, model.name,
                  model.engine or "-", model.device, model.dtype, model.linear_backend or "-", self.port)
 
-    def stop(self, grace: float | None = 2.0) -> None:
-        """Report NOT_SERVING, refuse new calls, let in-flight calls finish within `grace` seconds."""
+    @contextmanager
+    def call_in_flight(self) -> Iterator[None]:
+        """Counts a servicer call while it runs (including its wait for the model thread)."""
+        with self._calls_lock:
+            self._calls += 1
+            self.drained.clear()
+        try:
+            yield
+        finally:
+            with self._calls_lock:
+                self._calls -= 1
+                if self._calls == 0:
+                    self.drained.set()
+
+    @property
+    def calls_in_flight(self) -> int:
+        return self._calls
+
+    def state(self) -> str:
+        """What the server is doing, in words, for log lines about signals and stopping."""
+        calls = f"{self._calls} call{'' if self._calls == 1 else 's'} in flight"
+        if self.terminated.is_set():
+            return f"stopped, {calls}"
         if self._stopped.is_set():
-            return
-        self._stopped.set()
-        metrics.unregister_state(f"{self.role.name}:{self.port}")
-        self.health.enter_graceful_shutdown()
-        self._server.stop(grace).wait()
-        self.terminated.set()
+            return f"stopping for {time.monotonic() - self.stop_started:.1f} s, {calls}"
+        return f"serving, {calls}" if self.engine is not None else "loading the model"
+
+    def stop(self, grace: float | None = 2.0) -> None:
+        """Report NOT_SERVING, refuse new calls, let in-flight calls finish within `grace` seconds, then cancel them.
+
+        From any thread, any number of times: only the first call stops the server, later ones return at once.
+        Whatever happens along the way (a step that raises, calls whose handlers do not return when cancelled),
+        `terminated` is set when the first call returns, and it returns within `grace` + STOP_MARGIN_S seconds:
+        whoever waits for it (the model loop on the main thread) is never left waiting on a stop that went wrong."""
+        with self._stop_lock:
+            if self._stopped.is_set():
+                return
+            self.stop_started = time.monotonic()
+            self._stopped.set()
+        log.info("%s stopping: in-flight calls get %g s, %s", self.role.name, grace or 0.0, self.state())
+        try:
+            for step in (lambda: metrics.unregister_state(f"{self.role.name}:{self.port}"),
+                         self.health.enter_graceful_shutdown):
+                try:
+                    step()
+                except Exception:  # not worth a server that never stops
+                    log.exception("%s: a step of stopping failed; stopping anyway", self.role.name)
+            # grpc sets the event once every call is over (those still running at `grace` are cancelled); bounded
+            # all the same: nothing in grpc may keep a worker from ending.
+            if not self._server.stop(grace).wait((grace or 0.0) + STOP_MARGIN_S):
+                log.error("%s: the gRPC server has not stopped %.0f s after stop began (%s); stopping anyway",
+                          self.role.name, (grace or 0.0) + STOP_MARGIN_S, self.state())
+        except BaseException:
+            log.exception("%s: stopping failed; stopping anyway", self.role.name)
+            raise
+        finally:
+            self.terminated.set()
+            log.info("%s stopped in %.2f s", self.role.name, time.monotonic() - self.stop_started)
 
     def wait(self) -> None:
         self._server.wait_for_termination()

@@ -60,3 +60,11 @@ def test_resilience_config_is_validated():
                 dict(backoff_max_s=float("nan"))):
         with pytest.raises(ValueError):
             ResilienceConfig(**bad)
+
+
+def test_a_call_carrying_a_long_context_gets_a_longer_deadline():
+    config = ResilienceConfig(verify_timeout_s=30.0, timeout_per_context_token_s=0.1)
+    assert config.attempt_timeout(30.0, 0) == 30.0
+    assert config.attempt_timeout(30.0, 900) == pytest.approx(120.0)  # a 900-token prompt's prefill
+    with pytest.raises(ValueError, match="timeout_per_context_token_s"):
+        ResilienceConfig(timeout_per_context_token_s=-1.0)

@@ -192,3 +192,41 @@ def test_speculative_greedy_output_equals_one_token_decoding(smol, prompt):
         speculative = spec_decode(smol, prompt, k)
         assert speculative.tokens == reference, f"k={k}"
         assert sum(r.accepted for r in speculative.rounds) >= 0.8 * sum(r.drafted for r in speculative.rounds)
+
+
+def test_prefix_cache_resumes_a_finished_sessions_cells_exactly(smol, prompt):
+    """Turn 2 of a conversation: the turn-1 session ended, its cells stay; the new session takes them and computes only
+    what turn 2 added, with the logits a fresh prefill gives (the reference: one-token decoding)."""
+    turn1 = prompt + list(range(2000, 2030))
+    turn2 = turn1 + list(range(3000, 3012))
+    reference = one_token_logits(smol, turn2, len(turn2) - 3)
+    gc.collect()
+    first = smol.new_sequence()
+    first.logits_for(turn1, 1)
+    del first
+    gc.collect()  # the session ends: its context goes idle with its 70 tokens cached
+    hits, reused = smol.prefix_hits, smol.prefix_reused_tokens
+    second = smol.new_sequence()
+    assert torch.equal(second.logits_for(turn2, 3), reference)
+    assert smol.prefix_hits == hits + 1 and smol.prefix_reused_tokens - reused >= len(turn1) - 1
+    # A partial hit: a third session shares only the prompt with the cached contexts, and is exact too.
+    other = prompt + [5, 6, 7]
+    assert torch.equal(smol.new_sequence().logits_for(other, 2), one_token_logits(smol, other, len(other) - 2))
+
+
+def test_prefix_cache_is_bounded_and_takes_the_least_recently_used_idle_context():
+    from specmesh.runtime.ik_engine import IkLlamaEngine
+
+    engine = IkLlamaEngine.load(SMOL, context_length=256, max_sessions=2, progress=False)  # 3 contexts
+    try:
+        assert engine.max_contexts == 3
+        for start in range(0, 500, 100):  # five conversations, one after the other: never more than 3 contexts
+            engine.new_sequence().logits_for(list(range(1000 + start, 1040 + start)), 1)
+            gc.collect()
+        assert [tokens[0] for tokens in engine.cached_prefixes()] == [1200, 1300, 1400]  # the 3 most recent survive
+        assert len(engine._contexts) == 3 and engine.contexts_in_use == 0
+        hits = engine.prefix_hits
+        engine.new_sequence().logits_for(list(range(1400, 1450)), 1)
+        assert engine.prefix_hits == hits + 1
+    finally:
+        engine.close()

@@ -1,4 +1,5 @@
-"""`drafter serve ...`: a draft model (--method model, the default) or prompt lookup (--method ngram)."""
+"""`drafter serve ...`: a draft model (--method model, the default), prompt lookup (--method ngram) or SuffixDecoding
+(--method suffix)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,13 @@ import argparse
 from drafter.config import METHODS, BatchingConfig, DrafterConfig
 from drafter.ngram import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM
 from drafter.service import DrafterRole
+from drafter.suffix import SuffixConfig
 from specmesh.runtime.catalog import DEFAULT_DRAFT_MODEL
 from specmesh.worker.cli import RoleCommand, serve_main
 from specmesh.worker.config import ModelConfig
 
 BATCHING = BatchingConfig()
+SUFFIX = SuffixConfig()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,15 +22,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("drafting method (drafter only)")
     group.add_argument("--method", choices=METHODS, default="model",
                        help="model: run the draft model --model; ngram: prompt lookup (copy what followed the latest "
-                       "earlier occurrence of the last n tokens), no weights loaded, --model then only names the "
-                       "tokenizer: give the target's (default: model)")
+                       "earlier occurrence of the last n tokens); suffix: SuffixDecoding (the most frequent "
+                       "continuation of the longest match, in a suffix tree over the session and one over earlier "
+                       "requests' outputs, shared by all sessions). ngram and suffix load no weights: --model then "
+                       "only names the tokenizer: give the target's (default: model)")
     group.add_argument("--vocab-size", type=int, default=None,
-                       help="ngram: logits width reported to the coordinator (default: the --model config's "
+                       help="ngram, suffix: logits width reported to the coordinator (default: the --model config's "
                        "vocab_size, else the tokenizer's size); must not exceed the verifier's")
     group.add_argument("--ngram-max", type=int, default=None,
                        help=f"ngram: longest n-gram matched (default: {DEFAULT_MAX_NGRAM})")
     group.add_argument("--ngram-min", type=int, default=None,
                        help=f"ngram: shortest n-gram matched (default: {DEFAULT_MIN_NGRAM})")
+    suffix = parser.add_argument_group("SuffixDecoding (drafter only, --method suffix)")
+    suffix.add_argument("--suffix-max-depth", type=int, default=None,
+                        help="longest substring the suffix trees index, in tokens: a match and the draft after it "
+                        f"fit in it (default: {SUFFIX.max_depth})")
+    suffix.add_argument("--suffix-max-tokens", type=int, default=None,
+                        help="tokens the global tree keeps of finished requests, the oldest requests evicted first "
+                        f"(about 200 bytes each; default: {SUFFIX.max_tokens})")
+    suffix.add_argument("--suffix-max-requests", type=int, default=None,
+                        help=f"finished requests the global tree keeps (default: {SUFFIX.max_requests})")
+    suffix.add_argument("--suffix-index-prompts", action="store_true",
+                        help="the global tree also indexes finished requests' prompts, not only their outputs "
+                        "(a request repeated with the same prompt is then drafted from its first token)")
+    suffix.add_argument("--suffix-spec-factor", type=float, default=None,
+                        help="draft at most this many tokens per matched token (the paper's alpha; "
+                        f"default: {SUFFIX.spec_factor})")
+    suffix.add_argument("--suffix-min-prob", type=float, default=None,
+                        help="stop a draft where its estimated probability falls below this "
+                        f"(default: {SUFFIX.min_prob})")
     batching = parser.add_argument_group("batching (drafter only, --method model)")
     batching.add_argument("--max-batch-size", type=int, default=BATCHING.max_batch_size,
                           help="Propose calls of different sessions draft together: each draft step is one forward "
@@ -42,7 +65,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def make_role(args: argparse.Namespace, model: ModelConfig) -> DrafterRole:
     return DrafterRole(DrafterConfig(model, method=args.method, vocab_size=args.vocab_size, ngram_min=args.ngram_min,
-                                     ngram_max=args.ngram_max,
+                                     ngram_max=args.ngram_max, suffix_max_depth=args.suffix_max_depth,
+                                     suffix_max_tokens=args.suffix_max_tokens,
+                                     suffix_max_requests=args.suffix_max_requests,
+                                     suffix_spec_factor=args.suffix_spec_factor, suffix_min_prob=args.suffix_min_prob,
+                                     suffix_index_prompts=args.suffix_index_prompts,
                                      batching=BatchingConfig(max_batch_size=args.max_batch_size,
                                                                   max_batch_wait_s=args.max_batch_wait)))
 

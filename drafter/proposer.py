@@ -1,5 +1,6 @@
-"""What a drafter is to its service: a Proposer. The draft model (drafter/engine.py) and prompt lookup
-(drafter/ngram.py) are two of them; drafter/service.py talks to this protocol only."""
+"""What a drafter is to its service: a Proposer. The draft model (drafter/engine.py), prompt lookup
+(drafter/ngram.py) and SuffixDecoding (drafter/suffix.py) are three of them; drafter/service.py talks to this protocol
+only."""
 
 from __future__ import annotations
 

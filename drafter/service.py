@@ -8,10 +8,11 @@ from contextlib import contextmanager
 
 import grpc
 
-from drafter.config import BatchingConfig, DrafterConfig
+from drafter.config import SUFFIX_FIELDS, BatchingConfig, DrafterConfig
 from drafter.engine import DraftEngine
 from drafter.ngram import NgramEngine, describe_loaded, describe_target
 from drafter.proposer import Proposer
+from drafter.suffix import SuffixEngine
 from specmesh.ops import metrics
 from specmesh.runtime.models import LoadedModel
 from specmesh.v1 import specmesh_pb2 as pb
@@ -19,6 +20,7 @@ from specmesh.v1 import specmesh_pb2_grpc as pb_grpc
 from specmesh.wire.convert import dists_to_wire
 from specmesh.wire.validation import check_context, sampling_from_wire
 from specmesh.worker.config import FaultInjection, ModelConfig, ServerConfig, split_options
+from specmesh.worker.role import ModelDescription
 from specmesh.worker.server import WorkerServer, WorkerServicerBase, rpc, serving
 
 SERVICE_NAME = "specmesh.v1.Drafter"
@@ -51,21 +53,31 @@ def model_proposer(config: DrafterConfig, server: ServerConfig, preloaded: Loade
     return DraftEngine(config.model.load(server, preloaded), server.limits, config.batching)
 
 
-def ngram_proposer(config: DrafterConfig, server: ServerConfig, preloaded: LoadedModel | None) -> Proposer:
-    """Prompt lookup: no weights loaded; config.model only names the tokenizer (the target's), and a preloaded model
-    only lends its tokenizer and vocabulary width."""
+def weightless_description(config: DrafterConfig, preloaded: LoadedModel | None) -> ModelDescription:
+    """A drafter without weights (ngram, suffix): config.model only names the tokenizer (the target's), and a preloaded
+    model only lends its tokenizer and vocabulary width."""
     if preloaded is None:
-        description = describe_target(config.model.model, config.vocab_size)
-    else:
-        description = describe_loaded(preloaded)
-        if config.vocab_size is not None:
-            description = dataclasses.replace(description, vocab_size=config.vocab_size)
-    return NgramEngine(description, server.limits, config.ngram_config())
+        return describe_target(config.model.model, config.vocab_size)
+    description = describe_loaded(preloaded)
+    if config.vocab_size is not None:
+        description = dataclasses.replace(description, vocab_size=config.vocab_size)
+    return description
+
+
+def ngram_proposer(config: DrafterConfig, server: ServerConfig, preloaded: LoadedModel | None) -> Proposer:
+    """Prompt lookup: no weights loaded."""
+    return NgramEngine(weightless_description(config, preloaded), server.limits, config.ngram_config())
+
+
+def suffix_proposer(config: DrafterConfig, server: ServerConfig, preloaded: LoadedModel | None) -> Proposer:
+    """SuffixDecoding: no weights loaded. A session's tree undoes the drafts of two rounds without a rebuild."""
+    return SuffixEngine(weightless_description(config, preloaded), server.limits, config.suffix_config(),
+                        undo_tokens=max(64, 2 * (server.max_draft_tokens + 1)))
 
 
 # One per drafting method (drafter/config.py METHODS).
 PROPOSERS: dict[str, Callable[[DrafterConfig, ServerConfig, LoadedModel | None], Proposer]] = {
-    "model": model_proposer, "ngram": ngram_proposer}
+    "model": model_proposer, "ngram": ngram_proposer, "suffix": suffix_proposer}
 
 
 class DrafterRole:
@@ -92,14 +104,16 @@ class DrafterRole:
 def run_server(model: str | LoadedModel, port: int = 0, method: str = "model", vocab_size: int | None = None,
                ngram_min: int | None = None, ngram_max: int | None = None, **options) -> Iterator[WorkerServer]:
     """A started, warmed-up drafter on `port` (0 = ephemeral); stopped on exit. For tests and embedding. `options`:
-    fields of ServerConfig, ModelConfig (but `model`) and FaultInjection.
+    fields of ServerConfig, ModelConfig (but `model`) and FaultInjection, and DrafterConfig's suffix_* fields.
 
-    With method="ngram", `model` names (or is) the target whose tokenizer the drafter uses; no weights are loaded."""
+    With method="ngram" or "suffix", `model` names (or is) the target whose tokenizer the drafter uses; no weights
+    are loaded."""
     preloaded = model if isinstance(model, LoadedModel) else None
+    suffix = {name: options.pop(name) for name in SUFFIX_FIELDS if name in options}
     server_options, model_options, batching, faults = split_options(options, ServerConfig, ModelConfig,
                                                                     BatchingConfig, FaultInjection)
     config = DrafterConfig(ModelConfig(preloaded.name if preloaded else model, **model_options), method=method,
-                           vocab_size=vocab_size, ngram_min=ngram_min, ngram_max=ngram_max,
+                           vocab_size=vocab_size, ngram_min=ngram_min, ngram_max=ngram_max, **suffix,
                            batching=BatchingConfig(**batching))
     server = WorkerServer(DrafterRole(config, preloaded), ServerConfig(port=port, **server_options),
                           FaultInjection(**faults))

@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.real_models,
               pytest.mark.skipif(not ik_available(), reason="ik_llama.cpp does not load here")]
 
 PROMPTS = json.loads((Path(__file__).parents[1] / "coordinator/benchmarks/prompts.json").read_text())["prompts"]
-MAX_NEW = 32
+MAX_NEW = 24
 
 
 @pytest.fixture(scope="module")
@@ -65,18 +65,18 @@ def test_speculative_greedy_equals_one_token_decoding_on_every_committed_prompt(
 
 
 def test_many_concurrent_sessions_of_mixed_lengths_never_crash(pair):
-    """The 0.5B model's engine, as a drafter or verifier worker drives it: 24 sessions with prompts of 3 to 1,500
-    tokens, 6 threads calling at once, prefills mixed with short verify-sized passes and rollbacks, more sessions than
+    """The 0.5B model's engine, as a drafter or verifier worker drives it: 12 sessions with prompts of 3 to 700
+    tokens, 3 threads calling at once, prefills mixed with short verify-sized passes and rollbacks, more sessions than
     contexts (evictions). Every call answers with rows of the vocabulary's width."""
     _, engine = pair
     rng = random.Random(11)
-    sessions = [(engine.new_sequence(), [rng.randrange(100, 150000) for _ in range(rng.choice((3, 60, 400, 1500)))])
-                for _ in range(24)]
+    sessions = [(engine.new_sequence(), [rng.randrange(100, 150000) for _ in range(rng.choice((3, 60, 300, 700)))])
+                for _ in range(12)]
 
     def work(seed: int) -> int:  # a thread's own 4 sessions: a worker serialises the calls of one session
         local = random.Random(seed)
         done = 0
-        for _ in range(12):
+        for _ in range(8):
             sequence, tokens = sessions[seed * 4 + local.randrange(4)]
             request = tokens + [local.randrange(100, 150000) for _ in range(local.randint(1, 9))]
             last_n = local.randint(1, min(9, len(request)))
@@ -86,5 +86,6 @@ def test_many_concurrent_sessions_of_mixed_lengths_never_crash(pair):
             done += 1
         return done
 
-    with ThreadPoolExecutor(6) as pool:
-        assert sum(pool.map(work, range(6))) == 72
+    assert len(sessions) > engine.max_contexts
+    with ThreadPoolExecutor(3) as pool:
+        assert sum(pool.map(work, range(3))) == 24

@@ -23,7 +23,7 @@ ENGINE_BASELINES = ((LLAMA_BASELINE, "speedup_vs_llama_target", "vs llama.cpp ta
 class Mode:
     name: str  # as shown in tables
     kind: str  # "specmesh", "hf", "llamacpp" or "ik"
-    drafter: str | None = None  # specmesh: None (target-only), "model" or "ngram"; hf: "model", "ngram" or None;
+    drafter: str | None = None  # specmesh: None (target-only), "model", "ngram" or "suffix"; hf: "model", "ngram" or None;
     #                             llamacpp: None (llama-target) or "ngram" (llama-lookup)
     k: int | None = None  # specmesh: draft length, None = adaptive
     policy: str = "heuristic"  # specmesh adaptive k: coordinator/draft_length.py
@@ -50,6 +50,10 @@ def parse_mode(text: str) -> Mode:
         return Mode(f"k={int(t[2:])}", "specmesh", "model", int(t[2:]))
     if t == "ngram":
         return Mode("ngram", "specmesh", "ngram", None)
+    if t == "suffix":
+        return Mode("suffix", "specmesh", "suffix", None)
+    if t == "suffix-cost":
+        return Mode("suffix-cost", "specmesh", "suffix", None, "cost")
     if t.startswith(("ngram:", "ngram=", "ngram k=")) and t.rpartition("=" if "=" in t else ":")[2].isdigit():
         k = int(t.rpartition("=" if "=" in t else ":")[2])
         return Mode(f"ngram k={k}", "specmesh", "ngram", k)
@@ -67,7 +71,7 @@ def parse_mode(text: str) -> Mode:
         return Mode(IK_BASELINE, "ik")
     raise ValueError(f"unknown mode {text!r}: expected target-only|0, adaptive, adaptive-cost, pipelined, "
                      "pipelined-cost, K, ngram, "
-                     "ngram-cost, ngram:K, hf-target, hf-assisted, hf-ngram, ik-target, llama-target or llama-lookup")
+                     "ngram-cost, ngram:K, suffix, suffix-cost, hf-target, hf-assisted, hf-ngram, ik-target, llama-target or llama-lookup")
 
 
 def parse_modes(text: str) -> list[Mode]:

@@ -40,6 +40,7 @@ def specmesh_runner(args, modes: list[Mode], prompts: list[dict]) -> Iterator[Ru
     every generation). Its prompt_ids are the chat-templated prompts every side of the benchmark runs."""
     need_model = any(m.drafter == "model" for m in modes if m.kind == "specmesh")
     need_ngram = any(m.drafter == "ngram" for m in modes if m.kind == "specmesh")
+    need_suffix = any(m.drafter == "suffix" for m in modes if m.kind == "specmesh")
     with ExitStack() as stack:
         common = dict(device=args.device, dtype=args.dtype, threads=args.threads,
                       extra_args=("--linear-backend", args.linear_backend))
@@ -59,6 +60,10 @@ def specmesh_runner(args, modes: list[Mode], prompts: list[dict]) -> Iterator[Ru
             # The n-gram drafter reads the target's tokenizer only: no weights, nothing on device/dtype.
             spec = LocalWorkerSpec("drafter", args.target_model, "cpu", "auto", extra_args=tuple(extra))
             ngram_drafter = stack.enter_context(local_workers([spec]))["drafter"]
+        suffix_drafter = None
+        if need_suffix:  # model-free too: its trees learn from every generation the bench runs
+            spec = LocalWorkerSpec("drafter", args.target_model, "cpu", "auto", extra_args=("--method", "suffix"))
+            suffix_drafter = stack.enter_context(local_workers([spec]))["drafter"]
 
         base = stack.enter_context(Coordinator(verifier=verifier))  # loads the verifier's tokenizer
         tokenizer = base.tokenizer
@@ -69,6 +74,9 @@ def specmesh_runner(args, modes: list[Mode], prompts: list[dict]) -> Iterator[Ru
         if need_ngram:
             coordinators["ngram"] = stack.enter_context(Coordinator(verifier=verifier, drafter=ngram_drafter,
                                                                     tokenizer=tokenizer))
+        if need_suffix:
+            coordinators["suffix"] = stack.enter_context(Coordinator(verifier=verifier, drafter=suffix_drafter,
+                                                                     tokenizer=tokenizer))
         info = {"target": base.verifier_info.model_name, "dtype": base.verifier_info.dtype,
                 "device": base.verifier_info.device, "eos_token_ids": sorted(base.verifier_info.eos_token_ids),
                 "draft": coordinators["model"].drafter_info.model_name if need_model else None,

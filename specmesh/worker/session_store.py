@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -43,15 +44,43 @@ def kv_sessions(engine: ModelEngine) -> Callable[[], Session]:
     return lambda: Session(TokenHistory(), engine.new_sequence())
 
 
+class _ReportingTTLCache(cachetools.TTLCache):
+    """A TTLCache that hands each entry it drops by itself (least recently used when full, idle past the TTL) to
+    `on_remove(key, value)`."""
+
+    def __init__(self, maxsize: int, ttl: float, on_remove: Callable[[Any, Any], None],
+                 timer: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(maxsize=maxsize, ttl=ttl, timer=timer)
+        self._on_remove = on_remove
+
+    def expire(self, time=None):
+        expired = super().expire(time)
+        for key, value in expired:
+            self._on_remove(key, value)
+        return expired
+
+    def popitem(self):
+        key, value = super().popitem()  # expired entries first go through expire() above
+        self._on_remove(key, value)
+        return key, value
+
+
 class SessionStore:
     """Maps session ids to sessions (anything with a `history` TokenHistory and a `num_bytes` size), made by
     `new_session`. cachetools.TTLCache evicts the least recently used entry when full and drops entries idle longer
-    than the TTL; an evicted session is simply rebuilt by the client's resync."""
+    than the TTL; an evicted session is simply rebuilt by the client's resync.
 
-    def __init__(self, limits: SessionLimits, new_session: Callable[[], Any]) -> None:
+    `on_remove(session_id, session)`, when given, hears of every session that leaves the store: ended, evicted (count
+    or memory) or expired. It is called holding the store's lock, so it must be quick and must not use the store."""
+
+    def __init__(self, limits: SessionLimits, new_session: Callable[[], Any],
+                 on_remove: Callable[[str, Any], None] | None = None) -> None:
         self._new_session = new_session
         self._max_cache_bytes = limits.max_cache_bytes
-        self._sessions: cachetools.TTLCache = cachetools.TTLCache(maxsize=limits.max_sessions, ttl=limits.idle_ttl_s)
+        self._on_remove = on_remove
+        self._sessions: cachetools.TTLCache = (
+            cachetools.TTLCache(maxsize=limits.max_sessions, ttl=limits.idle_ttl_s) if on_remove is None else
+            _ReportingTTLCache(limits.max_sessions, limits.idle_ttl_s, on_remove))
         self._lock = threading.Lock()
 
     def synced(self, session_id: str, base_length: int, base_hash: int, new_tokens: list[int]) -> Session:
@@ -85,7 +114,10 @@ class SessionStore:
 
     def end(self, session_id: str) -> bool:
         with self._lock:
-            return self._sessions.pop(session_id, None) is not None
+            session = self._sessions.pop(session_id, None)
+            if session is not None and self._on_remove is not None:
+                self._on_remove(session_id, session)
+            return session is not None
 
     def __len__(self) -> int:
         with self._lock:

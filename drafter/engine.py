@@ -28,7 +28,7 @@ from specmesh.runtime.engine import ModelEngine, as_engine
 from specmesh.wire.contract import Cancelled
 from specmesh.wire.history import EMPTY_HASH, TokenHistory
 from specmesh.worker.batch_window import wait_for_active_sessions
-from specmesh.worker.cost_probe import PROBE_DRAFTS, fastest_runs, probe_context
+from specmesh.worker.cost_probe import PROBE_DRAFTS, cached_costs, cost_cache_key, fastest_runs, probe_context
 from specmesh.worker.role import ModelDescription
 from specmesh.worker.session_store import Session, SessionLimits, SessionStore, kv_sessions
 
@@ -246,8 +246,11 @@ class DraftEngine:
         context = probe_context(self.loaded.vocab_size)
         self.propose("warm-up", 0, EMPTY_HASH, context, 1, SamplingParams(), 0)
         context_hash = TokenHistory(context).hash_at(len(context))
-        # The drafts are rejected: each proposal drafts from the same context.
-        seconds = fastest_runs({"propose": lambda: self.propose("warm-up", len(context), context_hash, [],
-                                                                PROBE_DRAFTS, SamplingParams(), 0)})
+
+        def measure() -> float:  # the drafts are rejected: each proposal drafts from the same context
+            seconds = fastest_runs({"propose": lambda: self.propose("warm-up", len(context), context_hash, [],
+                                                                    PROBE_DRAFTS, SamplingParams(), 0)})
+            return seconds["propose"] / PROBE_DRAFTS
+
+        self.draft_per_token_s = float(cached_costs(cost_cache_key("drafter", self.loaded), measure))
         self.end_session("warm-up")
-        self.draft_per_token_s = seconds["propose"] / PROBE_DRAFTS

@@ -23,7 +23,8 @@ from specmesh.runtime.engine import ModelEngine, as_engine
 from specmesh.wire.contract import Cancelled
 from specmesh.wire.history import EMPTY_HASH, TokenHistory
 from specmesh.worker.batch_window import wait_for_active_sessions
-from specmesh.worker.cost_probe import PROBE_DRAFTS, PROBE_VERIFY_DRAFTS, fastest_runs, probe_context
+from specmesh.worker.cost_probe import (PROBE_DRAFTS, PROBE_VERIFY_DRAFTS, cached_costs, cost_cache_key, fastest_runs,
+                                        probe_context)
 from specmesh.worker.role import ModelDescription
 from specmesh.worker.session_store import Session, SessionLimits, SessionStore, kv_sessions
 from verifier.config import BatchingConfig
@@ -197,7 +198,8 @@ class VerifyEngine:
                     raise request.error
                 self.end_session(request.session_id)
         self.end_session("warm-up")
-        self.verify_costs = self._measure_costs()
+        costs = cached_costs(cost_cache_key("verifier", self.loaded), lambda: [list(c) for c in self._measure_costs()])
+        self.verify_costs = tuple((int(k), float(s)) for k, s in costs)
 
     @property
     def verify_base_s(self) -> float:

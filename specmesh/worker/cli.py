@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
 import threading
 from collections.abc import Callable
@@ -26,7 +25,7 @@ from specmesh.runtime import model_thread
 from specmesh.runtime.engine import ENGINES
 from specmesh.wire.security import TlsFiles, exposure_warning, load_token
 from specmesh.worker.config import FaultInjection, ModelConfig, ServerConfig
-from specmesh.worker.lifeline import exit_when_stdin_closes
+from specmesh.worker.lifeline import SignalStop, exit_when_stdin_closes
 from specmesh.worker.role import WorkerRole
 from specmesh.worker.server import WorkerServer
 from specmesh.worker.session_store import SessionLimits
@@ -140,14 +139,15 @@ def serve_main(command: RoleCommand, argv: list[str] | None = None) -> int:
 
     loading = threading.Event()
 
-    def on_signal(signum, frame) -> None:
-        # Stop from another thread: server.stop blocks for the grace period.
-        threading.Thread(target=server.stop, args=(args.grace,), daemon=True).start()
+    def abandon_load(signum, frame) -> None:
+        # On the main thread, when it gets to the signal; SignalStop's own thread has logged it and started the stop.
         if loading.is_set():
             raise LoadAbandoned  # nothing is served yet: do not spend minutes loading a model nobody will use
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    # Every SIGTERM/SIGINT is logged and answered whatever the main thread is doing: the first stops the server
+    # (in-flight calls get --grace seconds) and the process ends within --grace + 10 s; a second ends it at once.
+    SignalStop(lambda: server.stop(0 if loading.is_set() else args.grace), args.grace, state=server.state,
+               on_main_thread=abandon_load).install()
     if args.exit_on_stdin_eof:
         exit_when_stdin_closes(hard_exit_after_s=args.grace + 30)
     model_thread.use_main_thread()  # every forward pass on this thread: see specmesh/runtime/model_thread.py
@@ -173,5 +173,7 @@ def serve_main(command: RoleCommand, argv: list[str] | None = None) -> int:
     print(f"READY {server.address}", flush=True)
     # Until the server has stopped (in-flight calls drained), this thread runs the engines' forward passes.
     model_thread.serve_on_main_thread(server.terminated)
-    server.wait()
+    # Calls cancelled at the end of the grace period may still be waiting for their turn on this thread: give it to
+    # them (a cancelled call costs no forward pass), so that no thread is left blocked when the interpreter exits.
+    model_thread.serve_on_main_thread(server.drained)
     return 0

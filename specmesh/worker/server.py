@@ -35,6 +35,7 @@ from specmesh.worker.role import WorkerEngine, WorkerRole
 log = logging.getLogger(__name__)
 
 STOP_MARGIN_S = 5.0  # how long stop() waits for gRPC beyond the grace period before giving up on it
+QUIET_BEFORE_CANCEL_S = 0.2  # no servicer call in flight for this long while stopping: cancel the rest (Watch streams)
 
 SERVER_OPTIONS = [
     ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
@@ -267,7 +268,7 @@ class WorkerServer:
                 return
             self.stop_started = time.monotonic()
             self._stopped.set()
-        log.info("%s stopping: in-flight calls get %g s, %s", self.role.name, grace or 0.0, self.state())
+        log.info("%s stopping: %d call(s) in flight get %g s to finish", self.role.name, self._calls, grace or 0.0)
         try:
             for step in (lambda: metrics.unregister_state(f"{self.role.name}:{self.port}"),
                          self.health.enter_graceful_shutdown):
@@ -275,17 +276,31 @@ class WorkerServer:
                     step()
                 except Exception:  # not worth a server that never stops
                     log.exception("%s: a step of stopping failed; stopping anyway", self.role.name)
-            # grpc sets the event once every call is over (those still running at `grace` are cancelled); bounded
-            # all the same: nothing in grpc may keep a worker from ending.
-            if not self._server.stop(grace).wait((grace or 0.0) + STOP_MARGIN_S):
-                log.error("%s: the gRPC server has not stopped %.0f s after stop began (%s); stopping anyway",
-                          self.role.name, (grace or 0.0) + STOP_MARGIN_S, self.state())
-        except BaseException:
-            log.exception("%s: stopping failed; stopping anyway", self.role.name)
-            raise
+            self._wait_for_grpc(grace or 0.0)
         finally:
             self.terminated.set()
             log.info("%s stopped in %.2f s", self.role.name, time.monotonic() - self.stop_started)
+
+    def _wait_for_grpc(self, grace: float) -> None:
+        """Stop gRPC: calls in flight get `grace` seconds, then are cancelled. Once no servicer call is left, the
+        rest is cancelled at once: health Watch streams (a coordinator keeps one open to every worker) never end by
+        themselves, and would hold every stop for the whole grace period. Bounded, whatever grpc does."""
+        shutdown = self._server.stop(grace)
+        limit = time.monotonic() + grace + STOP_MARGIN_S
+        quiet_since, cancelled = None, False
+        while not shutdown.wait(0.05):
+            now = time.monotonic()
+            if now > limit:
+                log.error("%s: the gRPC server has not stopped %g s after stop began (%s); stopping anyway",
+                          self.role.name, grace + STOP_MARGIN_S, self.state())
+                return
+            if cancelled or not self.drained.is_set():
+                quiet_since = None
+                continue
+            quiet_since = quiet_since or now
+            if now - quiet_since >= QUIET_BEFORE_CANCEL_S:  # a call accepted just before the stop has begun by now
+                self._server.stop(0)  # grpc cancels what is left (with grace None it would also wait, unbounded)
+                cancelled = True
 
     def wait(self) -> None:
         self._server.wait_for_termination()

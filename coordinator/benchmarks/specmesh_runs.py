@@ -42,8 +42,10 @@ def specmesh_runner(args, modes: list[Mode], prompts: list[dict]) -> Iterator[Ru
     need_ngram = any(m.drafter == "ngram" for m in modes if m.kind == "specmesh")
     need_suffix = any(m.drafter == "suffix" for m in modes if m.kind == "specmesh")
     with ExitStack() as stack:
+        # No prefix cache: every mode of a prompt would otherwise find the prompt cached by the mode before it, a
+        # saving the in-process baselines never get (multi-turn workloads measure the cache on its own).
         common = dict(device=args.device, dtype=args.dtype, threads=args.threads,
-                      extra_args=("--linear-backend", args.linear_backend))
+                      extra_args=("--linear-backend", args.linear_backend, "--no-prefix-cache"))
         engines = requested_engines(args)
         specs = []
         if not args.verifier:

@@ -123,7 +123,7 @@ def worker_argv(args: argparse.Namespace, role: str, host_address: str, threads:
                      else (args.draft_model, engines["draft"]))
     return [sys.executable, "-m", role, "serve", "--model", model, "--host", host_address, "--port", str(PORTS[role]),
             "--device", args.device, "--dtype", args.dtype, "--engine", engine, "--threads", str(threads),
-            "--linear-backend", args.linear_backend, "--grace", "1"]
+            "--linear-backend", args.linear_backend, "--grace", "1", "--no-prefix-cache"]  # see specmesh_runs.py
 
 
 def check_cpus(args: argparse.Namespace) -> None:

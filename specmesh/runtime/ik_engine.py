@@ -111,7 +111,8 @@ class IkLlamaEngine:
 
     def __init__(self, spec: str, path: Path, tokenizer, fingerprint: str, *, device: str = "cpu",
                  threads: int | None = None, max_sessions: int = 64, context_length: int | None = None,
-                 kv_budget_cells: int = DEFAULT_KV_BUDGET_CELLS, repack: bool = False) -> None:
+                 kv_budget_cells: int = DEFAULT_KV_BUDGET_CELLS, repack: bool = False,
+                 prefix_cache: bool = True) -> None:
         lib = ik_binding.bind()
         self._lib, api = lib, lib.api
         if device != "cpu" and not lib.supports_gpu_offload():
@@ -135,6 +136,7 @@ class IkLlamaEngine:
         self.max_contexts = min(MAX_CONTEXTS, max(2, kv_budget_cells // self.session_cells), max_sessions + 1)
         self._contexts: list[int] = []
         self._idle: dict[int, _Idle] = {}  # contexts no session holds -> the tokens their cells keep
+        self.prefix_cache = prefix_cache  # off: a session never starts from another's cells (benchmarks of decoding)
         self.prefix_hits = 0  # sessions that started from an idle context's cached prefix
         self.prefix_reused_tokens = 0  # tokens those sessions did not have to compute
         self._batch = api.llama_batch_init(MAX_PASS_TOKENS, 0, 1)
@@ -163,7 +165,7 @@ class IkLlamaEngine:
     @classmethod
     def load(cls, spec: str, device: str = "auto", dtype: str = "auto", threads: int | None = None,
              max_sessions: int = 64, context_length: int | None = None, progress: bool = True,
-             repack: bool = False) -> IkLlamaEngine:
+             repack: bool = False, prefix_cache: bool = True) -> IkLlamaEngine:
         from specmesh.runtime.devices import resolve_device
         from specmesh.runtime.fingerprint import tokenizer_fingerprint
         from specmesh.runtime.tokenizer import load_tokenizer
@@ -176,7 +178,8 @@ class IkLlamaEngine:
         path = gguf_file(spec, progress)
         tokenizer = load_tokenizer(spec, progress=progress)
         return cls(spec, path, tokenizer, tokenizer_fingerprint(tokenizer), device=resolve_device(device).type,
-                   threads=threads, max_sessions=max_sessions, context_length=context_length, repack=repack)
+                   threads=threads, max_sessions=max_sessions, context_length=context_length, repack=repack,
+                   prefix_cache=prefix_cache)
 
     def _new_context(self) -> int:
         api = self._lib.api
@@ -232,6 +235,8 @@ class IkLlamaEngine:
     def _bind(self, sequence: IkSequence, context: int) -> None:
         sequence.context = context
         sequence.cached_tokens = self._idle.pop(context).tokens  # the cells' tokens: the session starts from them
+        if not self.prefix_cache:
+            sequence.rollback(0)
         # A dropped session (ended, evicted, expired) hands its context back with its tokens (a prefix cache entry),
         # taken on the model thread, never from whichever thread happened to drop the last reference. The finalizer
         # holds the token list, not the session.
@@ -263,11 +268,12 @@ class IkLlamaEngine:
         if sequence.context is not None:
             return
         best, best_length = None, 0
-        for context, idle in self._idle.items():
+        for context, idle in (self._idle.items() if self.prefix_cache else ()):
             length = reusable_length(idle.tokens, tokens, last_n)
             if length > best_length:
                 best, best_length = context, length
-        if best is None and self._may_add_context():
+        # With the prefix cache, a new context keeps the idle ones' prefixes for later; without, an idle one will do.
+        if best is None and self._may_add_context() and (self.prefix_cache or not self._idle):
             best = self._new_context()
             self._idle[best] = _Idle([], self._clock)
         if best is None and not self._idle:
@@ -280,7 +286,7 @@ class IkLlamaEngine:
                      len(victim.cached_tokens))
             self._unbind(victim)
             best = next(iter(self._idle))  # the victim's context: the only idle one
-            best_length = reusable_length(self._idle[best].tokens, tokens, last_n)
+            best_length = reusable_length(self._idle[best].tokens, tokens, last_n) if self.prefix_cache else 0
         if best is None:
             best = min(self._idle, key=lambda context: self._idle[context].last_used)
         if best_length:

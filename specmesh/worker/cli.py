@@ -46,6 +46,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser, default_model: str) -> 
                         "given, else transformers")
     parser.add_argument("--repack", action="store_true",
                         help="ik engine: repack the weights at load for faster kernels (not exact; off by default)")
+    parser.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
+                        help="ik engine: a new session starts from the cached cells of a finished one that shares its "
+                        "prefix (turn n of a conversation prefills only what it added); --no-prefix-cache for "
+                        "benchmarks of decoding alone")
     parser.add_argument("--linear-backend", choices=onednn.BACKENDS, default="auto",
                         help="CPU linear layers: onednn runs them with oneDNN's inner product, which makes a pass over a "
                         "few tokens (verifying k drafts, batched sessions) far cheaper than torch's default kernels; "
@@ -127,7 +131,8 @@ def serve_main(command: RoleCommand, argv: list[str] | None = None) -> int:
                                                    max_cache_bytes=args.max_cache_bytes),
                               max_draft_tokens=args.max_draft_tokens, max_context_length=args.max_context_length)
         model = ModelConfig(model=args.model, engine=args.engine, device=args.device, dtype=args.dtype,
-                            linear_backend=args.linear_backend, threads=args.threads, repack=args.repack)
+                            linear_backend=args.linear_backend, threads=args.threads, repack=args.repack,
+                            prefix_cache=args.prefix_cache)
         faults = FaultInjection(inject_latency_s=args.inject_latency)
         warning = exposure_warning(args.host, tls, token)
         if warning:

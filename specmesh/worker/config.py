@@ -58,6 +58,7 @@ class ModelConfig:
     linear_backend: str = "auto"  # CPU: "onednn" runs linear layers on oneDNN (specmesh/runtime/onednn.py), "torch" does not
     threads: int | None = None
     repack: bool = False  # ik engine: weights repacked at load (faster, not exact)
+    prefix_cache: bool = True  # ik engine: new sessions start from the cells of finished ones sharing their prefix
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -76,7 +77,7 @@ class ModelConfig:
         engine = load_engine(self.model, engine=self.engine, device=self.device, dtype=self.dtype,
                              linear_backend=self.linear_backend, threads=self.threads,
                              max_sessions=server.limits.max_sessions, context_length=server.max_context_length,
-                             repack=self.repack)
+                             repack=self.repack, prefix_cache=self.prefix_cache)
         engine.release_tokenizer()  # the worker's own: nothing but the load needed it (a preloaded one may be shared)
         return engine
 

@@ -230,3 +230,17 @@ def test_prefix_cache_is_bounded_and_takes_the_least_recently_used_idle_context(
         assert engine.prefix_hits == hits + 1
     finally:
         engine.close()
+
+
+def test_without_the_prefix_cache_a_session_never_starts_from_anothers_cells():
+    from specmesh.runtime.ik_engine import IkLlamaEngine
+
+    engine = IkLlamaEngine.load(SMOL, context_length=256, max_sessions=2, progress=False, prefix_cache=False)
+    try:
+        tokens = list(range(1000, 1040))
+        expected = engine.new_sequence().logits_for(tokens, 1)
+        gc.collect()
+        assert torch.equal(engine.new_sequence().logits_for(tokens, 1), expected)
+        assert engine.prefix_hits == 0
+    finally:
+        engine.close()

@@ -71,3 +71,18 @@ class CachedSequence:
                 if isinstance(t, torch.Tensor):
                     total += t.numel() * t.element_size()
         return total
+
+
+def check_batch(sequences: Sequence, requests: Sequence[Sequence[int]], last_ns: Sequence[int],
+                context_limit: int | None) -> None:
+    """The arguments of an engine's `batched_logits`: one request and last_n per distinct sequence, each last_n within
+    its request, no request longer than the context."""
+    if not len(sequences) == len(requests) == len(last_ns):
+        raise ValueError("sequences, requests and last_ns must have the same length")
+    if len(set(map(id, sequences))) != len(sequences):
+        raise ValueError("a sequence may appear only once in a batch")
+    for tokens, last_n in zip(requests, last_ns):
+        if not 1 <= last_n <= len(tokens):
+            raise ValueError(f"last_n={last_n} out of range for a sequence of {len(tokens)} tokens")
+        if context_limit is not None and len(tokens) > context_limit:
+            raise ValueError(f"{len(tokens)} tokens exceed the context of {context_limit}")

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from specmesh.runtime import catalog
-from specmesh.runtime.kv_cache import reusable_length
+from specmesh.runtime.kv_cache import check_batch, reusable_length
 from specmesh.runtime.model_thread import ModelThread
 
 log = logging.getLogger(__name__)
@@ -276,15 +276,7 @@ class LlamaCppEngine:
 
     def batched_logits(self, sequences: Sequence[LlamaSequence], requests: Sequence[Sequence[int]],
                        last_ns: Sequence[int]) -> list[torch.Tensor]:
-        if not len(sequences) == len(requests) == len(last_ns):
-            raise ValueError("sequences, requests and last_ns must have the same length")
-        if len(set(map(id, sequences))) != len(sequences):
-            raise ValueError("a sequence may appear only once in a batch")
-        for tokens, last_n in zip(requests, last_ns):
-            if not 1 <= last_n <= len(tokens):
-                raise ValueError(f"last_n={last_n} out of range for a sequence of {len(tokens)} tokens")
-            if len(tokens) > self.context_limit:
-                raise ValueError(f"{len(tokens)} tokens exceed the context of {self.context_limit}")
+        check_batch(sequences, requests, last_ns, self.context_limit)
         return self._thread.run(self._decode, list(sequences), [list(r) for r in requests], list(last_ns))
 
     def _decode(self, sequences: list[LlamaSequence], requests: list[list[int]],

@@ -46,7 +46,7 @@ import torch
 
 from specmesh.runtime import ik_binding
 from specmesh.runtime.kv_cache import check_batch, reusable_length
-from specmesh.runtime.llamacpp_engine import file_type, gguf_file
+from specmesh.runtime.llamacpp_engine import file_type, gguf_engine_inputs
 from specmesh.runtime.model_thread import ModelThread
 
 log = logging.getLogger(__name__)
@@ -166,20 +166,10 @@ class IkLlamaEngine:
     def load(cls, spec: str, device: str = "auto", dtype: str = "auto", threads: int | None = None,
              max_sessions: int = 64, context_length: int | None = None, progress: bool = True,
              repack: bool = False, prefix_cache: bool = True) -> IkLlamaEngine:
-        from specmesh.runtime.devices import resolve_device
-        from specmesh.runtime.fingerprint import tokenizer_fingerprint
-        from specmesh.runtime.tokenizer import load_tokenizer
-
-        if dtype != "auto":
-            raise ValueError(f"--dtype {dtype} applies to the transformers engine; ik_llama.cpp runs the GGUF's own "
-                             "(quantized) weights")
-        if threads is not None and threads < 1:
-            raise ValueError(f"threads must be >= 1, got {threads}")
-        path = gguf_file(spec, progress)
-        tokenizer = load_tokenizer(spec, progress=progress)
-        return cls(spec, path, tokenizer, tokenizer_fingerprint(tokenizer), device=resolve_device(device).type,
-                   threads=threads, max_sessions=max_sessions, context_length=context_length, repack=repack,
-                   prefix_cache=prefix_cache)
+        path, tokenizer, fingerprint, device = gguf_engine_inputs("ik_llama.cpp", spec, device, dtype, threads,
+                                                                  progress)
+        return cls(spec, path, tokenizer, fingerprint, device=device, threads=threads, max_sessions=max_sessions,
+                   context_length=context_length, repack=repack, prefix_cache=prefix_cache)
 
     def _new_context(self) -> int:
         api = self._lib.api

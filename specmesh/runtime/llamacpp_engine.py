@@ -102,6 +102,24 @@ def gguf_file(spec: str, progress: bool = True) -> Path:
     return source[0]
 
 
+def gguf_engine_inputs(runtime: str, spec: str, device: str, dtype: str, threads: int | None,
+                       progress: bool) -> tuple[Path, Any, str, str]:
+    """What a GGUF engine (llama.cpp, ik_llama.cpp) is built from, its arguments checked: (the GGUF file, the
+    tokenizer, its fingerprint, the resolved device type)."""
+    from specmesh.runtime.devices import resolve_device
+    from specmesh.runtime.fingerprint import tokenizer_fingerprint
+    from specmesh.runtime.tokenizer import load_tokenizer
+
+    if dtype != "auto":
+        raise ValueError(f"--dtype {dtype} applies to the transformers engine; {runtime} runs the GGUF's own "
+                         "(quantized) weights")
+    if threads is not None and threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    path = gguf_file(spec, progress)
+    tokenizer = load_tokenizer(spec, progress=progress)
+    return path, tokenizer, tokenizer_fingerprint(tokenizer), resolve_device(device).type
+
+
 def file_type(description: str) -> str:
     """The weights' type from llama.cpp's model description ("qwen2 1.5B Q5_K - Medium" -> "Q5_K_M"; the description
     is architecture, size, file type)."""
@@ -202,20 +220,9 @@ class LlamaCppEngine:
     @classmethod
     def load(cls, spec: str, device: str = "auto", dtype: str = "auto", threads: int | None = None,
              max_sessions: int = 64, context_length: int | None = None, progress: bool = True) -> LlamaCppEngine:
-        from specmesh.runtime.devices import resolve_device
-        from specmesh.runtime.fingerprint import tokenizer_fingerprint
-        from specmesh.runtime.tokenizer import load_tokenizer
-
-        if dtype != "auto":
-            raise ValueError(f"--dtype {dtype} applies to the transformers engine; llama.cpp runs the GGUF's own "
-                             "(quantized) weights")
-        if threads is not None and threads < 1:
-            raise ValueError(f"threads must be >= 1, got {threads}")
-        path = gguf_file(spec, progress)
-        tokenizer = load_tokenizer(spec, progress=progress)
-        resolved = resolve_device(device)
-        return cls(spec, path, tokenizer, tokenizer_fingerprint(tokenizer), device=resolved.type, threads=threads,
-                   max_sessions=max_sessions, context_length=context_length)
+        path, tokenizer, fingerprint, device = gguf_engine_inputs("llama.cpp", spec, device, dtype, threads, progress)
+        return cls(spec, path, tokenizer, fingerprint, device=device, threads=threads, max_sessions=max_sessions,
+                   context_length=context_length)
 
     def _describe(self) -> str:
         buffer = ctypes.create_string_buffer(256)

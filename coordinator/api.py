@@ -4,6 +4,9 @@
     with Coordinator(verifier="127.0.0.1:50052", drafter="127.0.0.1:50051") as c:
         result = c.generate("Write a haiku about gRPC", GenerationOptions(max_new_tokens=64))
         print(result.text, result.stats)
+
+With `suffix_drafter=` as well (a `drafter serve --method suffix`), drafting is hybrid (coordinator/hybrid_draft.py):
+the suffix drafter's draft where its match is long enough, the draft model's elsewhere where that pays.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import grpc
 from coordinator.cancel import CancelToken, GenerationCancelled
 from coordinator.draft_length import DEFAULT_POLICY, POLICIES, PRIOR_ACCEPTANCE, CostEstimate
 from coordinator.fleet import WorkerPool
+from coordinator.hybrid_draft import HybridDraftSource
 from coordinator.loop import DraftLength, LoopConfig, LoopResult, speculative_decode
 from coordinator.record import Recorder
 from coordinator.channel import new_session_id
@@ -153,26 +157,39 @@ class Coordinator:
     def __init__(self, verifier: str | Sequence[str], drafter: str | Sequence[str] | None = None, tokenizer=None,
                  resilience: ResilienceConfig = ResilienceConfig(), connect_timeout_s: float = 30.0,
                  security: ClientSecurity | None = None, record: str | None = None,
-                 unreachable_timeout_s: float | None = None, drafter_tokenizer=None) -> None:
+                 unreachable_timeout_s: float | None = None, drafter_tokenizer=None,
+                 suffix_drafter: str | Sequence[str] | None = None) -> None:
         """`security`: TLS files and bearer token for reaching the workers (default: plaintext, with the token from
         $SPECMESH_TOKEN_FILE / $SPECMESH_TOKEN when set). TLS settings that do not match a worker's fail at once
         (WorkerError naming the cause); workers that refuse connections fail after `unreachable_timeout_s` (None:
         after `connect_timeout_s`, like workers that are still loading). `tokenizer` and `drafter_tokenizer` default
         to the tokenizers of the models the workers name in Info; the drafter's is loaded only when it differs from
-        the target's (drafting across tokenizers, coordinator/translation.py)."""
+        the target's (drafting across tokenizers, coordinator/translation.py). `suffix_drafter`: the addresses of a
+        suffix drafter (`drafter serve --method suffix`, the target's tokenizer) for hybrid drafting."""
         self.resilience = resilience
         self.recorder = Recorder(record) if record else None
         security = security if security is not None else ClientSecurity(token=load_token())
         self.verifiers = WorkerPool([verifier] if isinstance(verifier, str) else verifier, "verifier", resilience,
                                     security=security)
-        self.drafters = None
+        self.drafters = self.suffix_drafters = None
         try:
             if drafter:
                 self.drafters = WorkerPool([drafter] if isinstance(drafter, str) else drafter, "drafter",
                                            resilience, self.verifiers.transitions, security)
+            if suffix_drafter:
+                self.suffix_drafters = WorkerPool([suffix_drafter] if isinstance(suffix_drafter, str)
+                                                  else suffix_drafter, "drafter", resilience,
+                                                  self.verifiers.transitions, security)
             self.verifier_info = self._info(self.verifiers, connect_timeout_s, unreachable_timeout_s)
             self.drafter_info = (self._info(self.drafters, connect_timeout_s, unreachable_timeout_s)
                                  if self.drafters else None)
+            self.suffix_drafter_info = (self._info(self.suffix_drafters, connect_timeout_s, unreachable_timeout_s)
+                                        if self.suffix_drafters else None)
+            if self.suffix_drafter_info is not None and not shares_tokenizer(self.suffix_drafter_info,
+                                                                             self.verifier_info):
+                raise TokenizerMismatch(f"suffix drafter model {self.suffix_drafter_info.model_name!r} does not use "
+                                        f"the tokenizer of verifier model {self.verifier_info.model_name!r}: start it "
+                                        f"with the target's model (drafter serve --method suffix --model TARGET)")
             shared = self.drafter_info is not None and shares_tokenizer(self.drafter_info, self.verifier_info)
             self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(self.verifier_info.model_name)
             # A drafter with another tokenizer drafts through text (coordinator/translation.py).
@@ -189,20 +206,34 @@ class Coordinator:
         self.round_trip_s = {"verifier": round_trip_s(self.verifiers),
                              **({"drafter": round_trip_s(self.drafters)} if self.drafters else {})}
         self.cost_prior = cost_prior(self.verifier_info, self.drafter_info, self.round_trip_s)
+        # Hybrid drafting: the policy works with the suffix drafter's costs (its drafts come first); the draft model
+        # joins only where its own costs say some draft length can pay even with every draft accepted.
+        self.model_draft_off = None
+        if self.suffix_drafters is not None:
+            if self.cost_prior is not None:
+                self.model_draft_off = self.cost_prior.drafting_off(DraftLength.maximum)
+                if self.model_draft_off is not None:
+                    log.info("hybrid drafting, cost policy: without the draft model (%s; %s)", self.model_draft_off,
+                             self.model_draft_off.details())
+            self.round_trip_s["drafter"] = round_trip_s(self.suffix_drafters)
+            self.cost_prior = cost_prior(self.verifier_info, self.suffix_drafter_info,
+                                         {**self.round_trip_s, "drafter": self.round_trip_s["drafter"]})
         # Limits agreed with the workers: no request may exceed what either side accepts (Info).
-        self.draft_limit = min(self.verifier_info.max_draft_tokens,
-                               self.drafter_info.max_draft_tokens if self.drafter_info is not None else 1 << 30)
+        self.propose_limit = min([info.max_draft_tokens for info in (self.drafter_info, self.suffix_drafter_info)
+                                  if info is not None] or [1 << 30])
+        self.draft_limit = min(self.verifier_info.max_draft_tokens, self.propose_limit)
         self.context_limit = self.verifier_info.max_context_length
         # Which model runtime each side runs (transformers, llamacpp; "" for a model-free drafter), for the stats, and
         # whether the drafter's token ids are the target's ("shared") or translated through text ("translated").
         self.engines = {"verifier_engine": self.verifier_info.engine,
                         **({"drafter_engine": self.drafter_info.engine,
                             "draft_tokenizer": "shared" if self.translator is None else "translated"}
-                           if self.drafter_info is not None else {})}
+                           if self.drafter_info is not None else {}),
+                        **({"suffix_drafter": True} if self.suffix_drafters is not None else {})}
         metrics.register_state(f"coordinator:{id(self)}", self._state_metrics)
 
     def _state_metrics(self):
-        pools = [p for p in (self.verifiers, self.drafters) if p is not None]
+        pools = [p for p in (self.verifiers, self.drafters, self.suffix_drafters) if p is not None]
         endpoints = [e for p in pools for e in p.endpoints]
         states = {"closed": 0, "half-open": 1, "open": 2}
         yield metrics.gauge("specmesh_breaker_state", "0 closed, 1 half-open, 2 open", ["role", "endpoint"],
@@ -239,7 +270,7 @@ class Coordinator:
 
     def close(self) -> None:
         metrics.unregister_state(f"coordinator:{id(self)}")
-        for pool in (self.verifiers, self.drafters):
+        for pool in (self.verifiers, self.drafters, self.suffix_drafters):
             if pool is not None:
                 pool.close()
 
@@ -273,11 +304,11 @@ class Coordinator:
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         seed = options.seed if options.seed is not None else (random.getrandbits(63) if options.temperature else 0)
-        use_drafter = self.drafters is not None and options.draft_tokens != 0
+        use_drafter = (self.drafters is not None or self.suffix_drafters is not None) and options.draft_tokens != 0
         config = LoopConfig(max_new_tokens=self.token_budget(len(prompt_ids), options.max_new_tokens),
                             eos_token_ids=self.eos_token_ids, draft_length=self.draft_length(options),
                             pipeline=options.pipeline,
-                            max_propose_tokens=self.drafter_info.max_draft_tokens if use_drafter else None)
+                            max_propose_tokens=self.propose_limit if use_drafter else None)
         session_id = new_session_id()
         logs.session_id.set(session_id)
         faults = FaultStats()
@@ -306,9 +337,10 @@ class Coordinator:
             if drafter is not None:
                 drafter.end()
         text = stream.finish()
-        result = GenerationResult(text, loop.tokens, len(prompt_ids), loop.finish_reason,
-                                  summarize(loop, time.perf_counter() - started, seed, faults, self.engines),
-                                  loop.rounds)
+        stats = summarize(loop, time.perf_counter() - started, seed, faults, self.engines)
+        if isinstance(drafter, HybridDraftSource):  # which drafter drafted how many rounds
+            stats.update(suffix_rounds=drafter.suffix_rounds, model_rounds=drafter.model_rounds)
+        result = GenerationResult(text, loop.tokens, len(prompt_ids), loop.finish_reason, stats, loop.rounds)
         metrics.record_generation(result, time.perf_counter() - started)
         self._finished(session_id, prompt, prompt_ids, options, result)
         return result
@@ -317,14 +349,21 @@ class Coordinator:
                       faults: FaultStats, cancel: CancelToken | None):
         """The drafter session in target tokens: the remote session itself, or that session (in drafter tokens)
         behind the translation through text; opened on the first round that drafts (LazyDraftSource), so that a
-        generation that never drafts sends the drafter nothing."""
-        def open_session(prompt: list[int]) -> DegradingDraftSession:
-            return DegradingDraftSession(self.drafters, session_id, prompt, options.sampling, seed, self.resilience,
-                                         faults, cancel)
-        if self.translator is None:
-            return LazyDraftSource(prompt_ids, open_session)
-        return LazyDraftSource(prompt_ids, lambda history: TranslatingDraftSource(self.translator, history,
-                                                                                  open_session))
+        generation that never drafts sends the drafter nothing. With a suffix drafter, the hybrid of it and (where
+        that pays) the model drafter's session."""
+        def opener(pool: WorkerPool) -> Callable[[list[int]], DegradingDraftSession]:
+            return lambda prompt: DegradingDraftSession(pool, session_id, prompt, options.sampling, seed,
+                                                        self.resilience, faults, cancel)
+        model = None
+        # The cost policy leaves out a draft model that cannot pay; a fixed k or the heuristic asked for drafts.
+        model_off = self.model_draft_off is not None and options.draft_tokens is None and options.draft_policy == "cost"
+        if self.drafters is not None and (self.suffix_drafters is None or not model_off):
+            open_session = opener(self.drafters)
+            model = LazyDraftSource(prompt_ids, open_session if self.translator is None else (
+                lambda history: TranslatingDraftSource(self.translator, history, open_session)))
+        if self.suffix_drafters is None:
+            return model
+        return HybridDraftSource(LazyDraftSource(prompt_ids, opener(self.suffix_drafters)), model)
 
     def check(self, prompt_tokens: int, options: GenerationOptions) -> None:
         """Raise ValueError if a request cannot run within the workers' limits (what generate would refuse)."""
@@ -335,10 +374,10 @@ class Coordinator:
         """The draft length policy within the workers' limits; an explicit k above them is refused up front (the
         drafter would refuse every call and the generation would silently run without drafts)."""
         k = options.draft_tokens
-        if k is not None and k > self.draft_limit and self.drafters is not None:
+        if k is not None and k > self.draft_limit and (self.drafters is not None or self.suffix_drafters is not None):
             raise ValueError(f"draft_tokens {k} exceeds what the workers accept: max_draft_tokens "
-                             f"{self.drafter_info.max_draft_tokens} (drafter), {self.verifier_info.max_draft_tokens} "
-                             f"(verifier); start them with a larger --max-draft-tokens")
+                             f"{self.propose_limit} (drafter), {self.verifier_info.max_draft_tokens} (verifier); start "
+                             f"them with a larger --max-draft-tokens")
         if k is not None:
             return DraftLength.fixed(k)
         # Pipelining asks the drafter for one token more than the round drafts (the bet's bonus-token guess).

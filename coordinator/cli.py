@@ -15,6 +15,7 @@ from specmesh.runtime import catalog
 from specmesh.ops import config as flag_config
 from specmesh.ops.config import add_config_argument
 from specmesh.ops.flags import DefaultsHelpFormatter, add_client_security_flags, add_logging_flags, add_metrics_flags
+from specmesh.ops.preflight import with_fix
 from specmesh.runtime.catalog import DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL
 from specmesh.runtime.engine import ENGINES
 from specmesh.wire.printable import printable
@@ -32,6 +33,12 @@ def add_fleet_arguments(p: argparse.ArgumentParser) -> None:
                    help="drafter HOST:PORT or dns:///NAME:PORT; may be repeated (default: start one locally)")
     p.add_argument("--verifier", action="append", default=None,
                    help="verifier HOST:PORT or dns:///NAME:PORT; may be repeated (default: start one locally)")
+    p.add_argument("--suffix-drafter", action="append", default=None,
+                   help="suffix drafter HOST:PORT (`drafter serve --method suffix`, the target's model); may be "
+                   "repeated. Drafting becomes hybrid: the suffix draft where its match is long enough, the draft "
+                   "model's elsewhere where that pays")
+    p.add_argument("--suffix", action="store_true",
+                   help="start a local suffix drafter (the target's tokenizer, no weights) and draft hybrid")
     p.add_argument("--draft-model", default=DEFAULT_DRAFT_MODEL,
                    help="model for a locally started drafter")
     p.add_argument("--target-model", default=DEFAULT_TARGET_MODEL,
@@ -144,6 +151,30 @@ def _engines(stats: dict) -> str:
     return verifier if drafter in (None, verifier) else f"verifier {verifier}, drafter {drafter or 'model-free'}"
 
 
+def check_arguments(args: argparse.Namespace) -> None:
+    """ValueError, one line naming the cause and the fix, for flags that cannot work: checked before anything starts,
+    instead of a local worker that fails in its log (specmesh/runtime/model_spec.py) or a traceback."""
+    from specmesh.ops.preflight import check_port, check_tls_files
+    from specmesh.runtime.model_spec import check_model
+    resilience_from(args), security_from(args)
+    check_tls_files(args.tls_cert, args.tls_key, args.tls_ca)
+    if args.verifier is None:
+        check_model(args.target_model, "--target-model", args.engine, args.device, args.dtype)
+    if args.draft_tokens != 0 and args.drafter is None:
+        check_model(args.draft_model, "--draft-model", args.engine, args.device, args.dtype)
+    check_port(args.metrics_host, args.metrics_port, "--metrics-port")
+
+
+def start_failed(error: Exception) -> int:
+    """Print why the workers could not be used at start; the exit status: 2 for a cause the user can fix (one line,
+    with the fix), else 1 (coordinator/connect_errors.py)."""
+    from coordinator.api import TokenizerMismatch
+    from coordinator.connect_errors import start_failure
+    message, status = start_failure(error, user_error=isinstance(error, TokenizerMismatch))
+    print(f"coordinator: error: {shown(message)}", file=sys.stderr)
+    return status
+
+
 @contextmanager
 def connected(args: argparse.Namespace, progress: bool) -> Iterator:
     """A Coordinator over the given workers, or over local worker subprocesses started for the duration."""
@@ -161,9 +192,15 @@ def connected(args: argparse.Namespace, progress: bool) -> Iterator:
         print(f"METRICS http://{args.metrics_host}:{metrics_port}/metrics", file=sys.stderr, flush=True)
     with ExitStack() as stack:
         addresses = stack.enter_context(local_workers(specs, progress=progress)) if specs else {}
+        suffix_drafter = args.suffix_drafter
+        if need_drafter and args.suffix and not suffix_drafter:  # model-free: reads the target's tokenizer only
+            suffix_spec = LocalWorkerSpec("drafter", args.target_model, "cpu", "auto",
+                                          extra_args=("--method", "suffix"))
+            suffix_drafter = [stack.enter_context(local_workers([suffix_spec], progress=progress))["drafter"]]
         yield stack.enter_context(Coordinator(
             verifier=args.verifier or [addresses["verifier"]],
             drafter=(args.drafter or [addresses["drafter"]]) if need_drafter else None,
+            suffix_drafter=suffix_drafter if need_drafter else None,
             resilience=resilience_from(args), security=security_from(args), record=args.record,
             connect_timeout_s=args.connect_timeout, unreachable_timeout_s=args.unreachable_timeout))
 
@@ -195,16 +232,15 @@ def run_generation(args: argparse.Namespace, streamed: list[str]) -> int:
                                     draft_policy=args.draft_policy, pipeline=args.pipeline,
                                     temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                     seed=args.seed, stop=tuple(args.stop), chat=not args.no_chat)
-        resilience_from(args), security_from(args)
+        check_arguments(args)
     except ValueError as e:
-        print(f"coordinator: error: {shown(e)}", file=sys.stderr)
+        print(f"coordinator: error: {shown(with_fix(e))}", file=sys.stderr)
         return 2
     with ExitStack() as stack:
         try:
             coordinator = stack.enter_context(connected(args, progress=not args.json))
         except WorkerError as e:
-            print(f"coordinator: error: {shown(e)}", file=sys.stderr)
-            return 1
+            return start_failed(e)
 
         def emit(text: str) -> None:
             streamed.append(text)
@@ -240,17 +276,21 @@ def serve(args: argparse.Namespace) -> int:
     from coordinator.http_server import DrainingServer
     from coordinator.worker_client import WorkerError
     from specmesh.ops.logs import configure_logging
+    from specmesh.ops.preflight import bind_problem
     try:
         configure_logging("coordinator", args.log_format, args.log_level)
-        resilience_from(args), security_from(args)
+        check_arguments(args)
         if args.draft_tokens is not None and not 0 <= args.draft_tokens <= 64:
             raise ValueError(f"draft_tokens must be in 0..64, got {args.draft_tokens}")
         if not args.grace >= 0:
             raise ValueError(f"grace must be >= 0 seconds, got {args.grace}")
         admission = AdmissionConfig(max_active=args.max_concurrent_requests, max_queue=args.max_queue)
-        listener = socket.create_server((args.host, args.port))  # bound first: port 0 gets a real port to report
-    except (ValueError, OSError) as e:
-        print(f"coordinator: error: {shown(e)}", file=sys.stderr)
+        try:
+            listener = socket.create_server((args.host, args.port))  # bound first: port 0 gets a real port to report
+        except (OSError, OverflowError) as e:
+            raise ValueError(bind_problem(args.host, args.port, e)) from None
+    except ValueError as e:
+        print(f"coordinator: error: {shown(with_fix(e))}", file=sys.stderr)
         return 2
     # uvicorn stops gracefully on SIGTERM, restores the previous handler and raises the signal again: with the default
     # handler that would end the process before the with-block below stops the local workers, leaving them running.
@@ -266,8 +306,7 @@ def serve(args: argparse.Namespace) -> int:
             config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=5)
             DrainingServer(config, app.state.completions, args.grace).run(sockets=[listener])
     except WorkerError as e:
-        print(f"coordinator: error: {shown(e)}", file=sys.stderr)
-        return 1
+        return start_failed(e)
     return 0
 
 

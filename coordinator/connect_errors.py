@@ -8,15 +8,23 @@ server checks the certificate). For those a short TLS handshake of our own (Pyth
 
 A cause is `misconfigured` when waiting cannot fix it (TLS settings that do not match); refused connections and
 unknown host names are not (the worker may be starting), so the coordinator waits a little longer for those.
+
+`start_failure` turns what stopped `coordinator generate` or `coordinator serve` from using its workers at start into
+the line it prints and its exit status: 2, one line naming the cause and the fix, for what the user can fix (an
+address nothing listens at, a name that does not resolve, TLS settings or a bearer token that do not match the
+worker's, a drafter whose tokenizer cannot be paired with the verifier's, a local worker that refused its flags); 1,
+with whatever the error says (a worker's log tail), for the rest (a worker that crashed or never became ready).
 """
 
 from __future__ import annotations
 
+import re
 import socket
 import ssl
 from dataclasses import dataclass
 
-from specmesh.wire.security import ClientSecurity
+from specmesh.ops.preflight import one_line
+from specmesh.wire.security import TOKEN_ENV, TOKEN_FILE_ENV, ClientSecurity
 
 
 @dataclass(frozen=True)
@@ -35,7 +43,8 @@ def diagnose(address: str, details: str, security: ClientSecurity, probe_timeout
         return ConnectFailure("connection refused: nothing listens at that address (wrong host or port, or the "
                               "worker is not running)", misconfigured=False)
     if "Domain name not found" in details or "errors resolving" in details:
-        return ConnectFailure("the host name does not resolve", misconfigured=False)
+        return ConnectFailure("the host name does not resolve (check the host in --verifier or --drafter)",
+                              misconfigured=False)
     if "WRONG_VERSION_NUMBER" in details and tls:
         return ConnectFailure("TLS handshake refused: the worker speaks plaintext (start it with --tls-cert and "
                               "--tls-key, or connect without --tls-ca)", misconfigured=True)
@@ -94,3 +103,31 @@ def tls_probe(address: str, security: ClientSecurity, timeout_s: float) -> str:
         return "no tls"
     except OSError:
         return "unknown"
+
+
+# The causes diagnose() names: a WorkerError that carries one is a misconfiguration the user can fix.
+USER_CAUSES = ("connection refused:", "the host name does not resolve", "TLS handshake", "client certificate")
+TOKEN_FIX = f"${TOKEN_ENV} (or --token-file, ${TOKEN_FILE_ENV}) must hold the worker's token"
+TOKEN_REFUSED = {
+    "this server requires a bearer token": f"the worker requires a bearer token and this client sent none: {TOKEN_FIX}",
+    "missing or wrong bearer token": f"the worker refused this client's bearer token: {TOKEN_FIX}",
+}
+
+
+def start_failure(error: Exception, user_error: bool = False) -> tuple[str, int]:
+    """(the message, the exit status) for an error that kept the coordinator from using its workers at start;
+    `user_error`: the caller knows it is one the user can fix (coordinator.api.TokenizerMismatch)."""
+    text = str(error)
+    if user_error:
+        return one_line(text), 2
+    refused = re.fullmatch(r"(.+?): Info failed: UNAUTHENTICATED (.*)", text, re.DOTALL)
+    if refused and refused.group(2).strip() in TOKEN_REFUSED:
+        return f"{refused.group(1)}: {TOKEN_REFUSED[refused.group(2).strip()]}", 2
+    if "\n" not in text and any(f": {cause}" in text for cause in USER_CAUSES):
+        return text, 2
+    # A local worker that refused its flags ended with its own one-line error (specmesh/worker/cli.py).
+    lines = [line for line in text.splitlines() if line.strip()]
+    own = re.fullmatch(r"(drafter|verifier): error: (.*)", lines[-1].strip()) if lines else None
+    if own and ("did not start" in lines[0] or "before it was ready" in lines[0]):
+        return f"local {own.group(1)}: {own.group(2)}", 2
+    return text, 1

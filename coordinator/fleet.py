@@ -1,16 +1,18 @@
 """Pools of drafter or verifier endpoints: health watching, circuit breakers, spreading sessions.
 
 `--verifier` may be repeated, and a `dns:///name:port` target expands to every address the name resolves to (a
-Kubernetes headless Service), re-resolved when no endpoint is usable.
+Kubernetes headless Service), re-resolved when no endpoint is usable. A new session goes to the least loaded endpoint,
+or to the one that most likely holds its prompt's prefix in its prefix cache (prefix affinity), within a slack.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from functools import partial
 
@@ -27,6 +29,9 @@ log = logging.getLogger("specmesh.fleet")
 
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 MISCONFIGURED_AFTER_S = 2.0  # how long every endpoint must fail to connect before start-up gives up on a cause
+RECENT_HISTORIES = 64  # finished sessions remembered per endpoint for prefix affinity
+AFFINITY_MIN_TOKENS = 32  # a shorter shared prefix (a chat template's header) is not worth an unbalanced placement
+AFFINITY_SLACK = 1  # pinned sessions the endpoint holding the prefix may have over the least loaded one
 
 
 def expand_targets(targets: Sequence[str]) -> list[str]:
@@ -60,12 +65,20 @@ class Endpoint:
         self.breaker = breaker
         self.serving = False
         self.sessions = 0  # generations currently pinned here
+        # The token histories of the last sessions that ended here: what the worker's prefix cache most likely holds
+        # (a coordinator-side shadow, as SGLang's cache-aware router keeps; the worker is never asked).
+        self.recent_histories: deque[tuple[int, ...]] = deque(maxlen=RECENT_HISTORIES)
         self.last_error = ""  # the details of the health stream's last failure; "" once it delivers a status
         self.failing_since: float | None = None  # monotonic time since when every health stream has failed
         self._health_log = health_log
         self._closed = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name=f"health-{self.address}", daemon=True)
         self._watcher.start()
+
+    def cached_prefix_length(self, tokens: Sequence[int]) -> int:
+        """The longest prefix of `tokens` that a session which ended here has held."""
+        tokens = tuple(tokens)
+        return max((len(os.path.commonprefix([history, tokens])) for history in self.recent_histories), default=0)
 
     @property
     def stub(self):
@@ -182,8 +195,10 @@ class WorkerPool:
         """What the endpoints' health streams last failed with ("" when none failed), for a timeout's message."""
         return "; ".join(f"{e.address}: {e.last_error}" for e in self.endpoints if e.last_error)
 
-    def pick(self, avoid: Endpoint | None = None) -> Endpoint:
-        """A usable endpoint with the fewest pinned sessions, other than `avoid` when there is a choice."""
+    def pick(self, avoid: Endpoint | None = None, tokens: Sequence[int] = ()) -> Endpoint:
+        """A usable endpoint with the fewest pinned sessions, other than `avoid` when there is a choice; or, for a
+        session starting with `tokens`, the one whose prefix cache likely holds the longest prefix of them (at least
+        AFFINITY_MIN_TOKENS), unless it has more than AFFINITY_SLACK sessions over the least loaded."""
         with self._lock:
             usable = [e for e in self.endpoints if e.usable()]
             if not usable and any("dns:///" in t for t in self.targets) and time.monotonic() - self._last_resolve > 2:
@@ -196,7 +211,14 @@ class WorkerPool:
                                         f"({', '.join(e.address for e in self.endpoints)})")
             # Closed breakers before probing ones (a half-open endpoint may still be dead), then fewest pinned
             # sessions; ties go to the earliest listed endpoint, so placement is predictable.
-            return min(candidates, key=lambda e: (e.breaker.state != "closed", e.sessions))
+            least = min(candidates, key=lambda e: (e.breaker.state != "closed", e.sessions))
+            if tokens and least.breaker.state == "closed":
+                # Turn n of a conversation where turn n-1 ran: that worker prefills only what turn n added.
+                cached = {id(e): e.cached_prefix_length(tokens) for e in candidates if e.breaker.state == "closed"}
+                best = max((e for e in candidates if id(e) in cached), key=lambda e: cached[id(e)])
+                if cached[id(best)] >= AFFINITY_MIN_TOKENS and best.sessions <= least.sessions + AFFINITY_SLACK:
+                    return best
+            return least
 
     def close(self) -> None:
         for endpoint in self.endpoints:

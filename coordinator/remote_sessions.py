@@ -67,7 +67,7 @@ class PinnedSession:
         self.visited: set[str] = set()
 
     def attach(self, avoid: Endpoint | None = None) -> Endpoint:
-        endpoint = self.pool.pick(avoid=avoid)
+        endpoint = self.pool.pick(avoid=avoid, tokens=self.sync.history.tokens)
         if endpoint is not self.endpoint:
             self.detach()
             endpoint.sessions += 1
@@ -87,6 +87,8 @@ class PinnedSession:
             self.endpoint = None
 
     def end(self, session_id: str) -> None:
+        if self.endpoint is not None and self.sync.server_length:  # what its prefix cache now holds (prefix affinity)
+            self.endpoint.recent_histories.append(tuple(self.sync.history.tokens[:self.sync.server_length]))
         for endpoint in self.pool.endpoints:
             if endpoint.address in self.visited:
                 endpoint.end_session(session_id)

@@ -30,7 +30,7 @@ BREAKER_FAILURES = RETRYABLE | {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOW
 
 @dataclass(frozen=True)
 class ResilienceConfig:
-    """Every knob of the coordinator's fault handling (README: "Fault tolerance")."""
+    """Every knob of the coordinator's fault handling (docs/fault-tolerance.md)."""
 
     verify_timeout_s: float = 30.0    # deadline of one Verify attempt (one target forward pass + transfer)
     propose_timeout_s: float = 30.0   # deadline of one Propose attempt (k draft forward passes + transfer)

@@ -38,7 +38,7 @@ from pathlib import Path
 import httpx
 import openai
 
-from chaos import PROMPTS, Slot, log, percentile
+from chaos_common import PROMPTS, Slot, log, percentile  # this script's directory is on sys.path
 from coordinator.benchmarks.soak import Sampler, Watched, wait_drained
 from coordinator.local_workers import LocalWorkerSpec
 from coordinator.polling import wait_until

@@ -2,7 +2,7 @@
 busiest threads, per generation, beside HF `generate()` in this process on the same model, dtype and threads.
 
 A forward pass on 2 threads keeps 2 cores busy; a worker that shows fewer (1.6 instead of 2) spends the rest waiting,
-which is how the libgomp finding in the README showed up (an OpenMP team sleeping between parallel regions). Then
+which is how the libgomp finding (docs/engines.md) showed up (an OpenMP team sleeping between parallel regions). Then
 `--omp-team-experiment` repeats that finding in one process: one-token steps of the target on this thread, alone and
 while another thread holds an OpenMP team of its own (it ran one parallel torch op).
 

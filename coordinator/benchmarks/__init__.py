@@ -5,14 +5,14 @@
     modes.py               what a mode is (specmesh, HF or llama.cpp; drafter; k; policy) and which can run
     prompts.py             the prompt set (prompts.json: code, prose, and prompts that quote their input)
     engines.py             the engine each side asks for and what "auto" resolves to
-    machine.py             the CPU features a run could use
+    machine.py             what a run ran on (CPU model, flags, cores) and its record: command, date, revision
     measure.py             a side's runner, best of N timed runs, the sides taking turns prompt by prompt
     interleave.py          whether the baselines fit in memory beside the workers (interleaved order)
     specmesh_runs.py       the specmesh side: its modes over gRPC on local or given workers
     hf_baseline.py         the HF side: Hugging Face transformers in-process
     llamacpp_baseline.py   the llama.cpp side: llama-cpp-python's own loop in-process
     analysis.py            speedups, divergence, per-class summaries, the analytic speedup bound
-    reports.py             markdown tables and the PNG plot
+    reports.py             markdown tables, the PNG plot, results pages (docs/benchmarks.md after its marker)
     concurrency.py         the bench-concurrency command: aggregate tokens/s with batching off and on
     soak.py                leak sampling for long runs (scripts/chaos.py --serve, scripts/fuzz.py): RSS, fds, threads,
                            worker sessions, and the drain of sessions after the load stops

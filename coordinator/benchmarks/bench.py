@@ -38,7 +38,17 @@ target-only round (steady state: the first round of each generation, which holds
 a core of its own, one-way link delays swept over --delays-ms; coordinator/benchmarks/split.py) and reports tokens/s,
 speedups, acceptance and round time against the round trip; it needs root and iproute2 (exit status 3 otherwise).
 
-Writes JSON, a markdown report and a PNG plot of the speedup per prompt (needs matplotlib) when asked.
+Writes JSON, a markdown report and a PNG plot of the speedup per prompt (needs matplotlib) when asked. The JSON
+records where it came from ("run": the command line, the date, the specmesh revision and the machine: CPU model,
+flags, cores, memory) beside the engines ("config", "info").
+
+Results pages are generated from saved reports, never edited by hand: `--from-json` takes several reports, and a
+`--markdown` file holding the line `<!-- generated results below: do not edit by hand -->` keeps everything up to
+that line and gets the rest rewritten with a section per report (sorted by file name; a heading with its name,
+machine and date, the command, then the tables the bench prints):
+
+    coordinator bench --modes target-only,adaptive-cost --limit-prompts 1 --json docs/results/smoke.json
+    coordinator bench --from-json docs/results/*.json --markdown docs/benchmarks.md     # make docs-results
 """
 
 from __future__ import annotations
@@ -58,11 +68,11 @@ from coordinator.benchmarks.hf_baseline import hf_runner
 from coordinator.benchmarks.interleave import cannot_interleave
 from coordinator.benchmarks.ik_baseline import ik_runner
 from coordinator.benchmarks.llamacpp_baseline import llamacpp_runner
-from coordinator.benchmarks.machine import cpu_features, llamacpp_system_info
+from coordinator.benchmarks.machine import cpu_features, llamacpp_system_info, load_average, run_record
 from coordinator.benchmarks.modes import DEFAULT_MODES, drop_unrunnable, parse_modes
 from coordinator.benchmarks.prompts import DEFAULT_PROMPTS, load_prompts
 from coordinator.benchmarks.netns import MeshUnavailable
-from coordinator.benchmarks.reports import markdown, plot, split_markdown, split_plot, sweep_markdown
+from coordinator.benchmarks.reports import MARKER, plot, report_markdown, results_markdown, splice, split_plot
 from coordinator.benchmarks.measure import take_turns
 from coordinator.benchmarks.specmesh_runs import specmesh_runner
 from coordinator.benchmarks.split import DEFAULT_SPLIT_MODES, UNAVAILABLE, SplitUnavailable, run_split
@@ -140,25 +150,66 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--baseline-cpus", default=None,
                         help="pin the in-process HF and llama.cpp baselines to these CPUs, e.g. 1 or 0,1 (default: "
                         "no pinning; the split topology pins them to the verifier's core)")
-    parser.add_argument("--from-json", type=Path, default=None,
-                        help="run nothing: re-render the reports (markdown, plot) of an earlier run's JSON")
+    parser.add_argument("--from-json", type=Path, nargs="+", default=None, metavar="JSON",
+                        help="run nothing: re-render the reports (markdown, plot) of an earlier run's JSON; several "
+                        "(e.g. docs/results/*.json): a markdown section each, into --markdown")
     parser.add_argument("--out-dir", type=Path, default=None, help="write bench.json, bench.md and bench.png here")
     parser.add_argument("--json", dest="json_path", type=Path, default=None, help="write the JSON report here")
-    parser.add_argument("--markdown", type=Path, default=None, help="write the markdown report here")
+    parser.add_argument("--markdown", type=Path, default=None,
+                        help=f"write the markdown report here; a file holding the line {MARKER} (a results page, "
+                        "e.g. docs/benchmarks.md) keeps all up to that line and gets the rest rewritten: a section "
+                        "per --from-json report (heading: name, machine, date; the command; the tables)")
     parser.add_argument("--plot", type=Path, default=None, help="write the PNG plot here")
     split.add_arguments(parser)
 
 
-def rerender(args: argparse.Namespace) -> int:
-    report = json.loads(args.from_json.read_text())
+def load_report(path: Path) -> dict:
+    """A saved report with its summaries recomputed from its rows (as the bench computes them today)."""
+    report = json.loads(path.read_text())
     if report.get("topology") == "split":
-        write_reports(args, report)
-        return 0
+        return report
     for run_report in report.get("sweep", [report]):
         modes = parse_modes(",".join(run_report["config"]["modes"]))
         add_relative(run_report["rows"])
         run_report["summary"] = summarize(run_report["rows"], modes, run_report["config"]["classes"])
-    write_reports(args, report)
+    return report
+
+
+def is_results_page(path: Path | None) -> bool:
+    """Whether path is a results page: an existing file holding the MARKER line."""
+    try:
+        return path is not None and any(line.strip() == MARKER for line in path.read_text().splitlines())
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
+def render_results(paths: list[Path]) -> str:
+    """The generated part of a results page: a section per saved report, sorted by file name, each named by its file
+    name without .json."""
+    paths = sorted(paths, key=lambda p: (p.name, str(p)))
+    return results_markdown([(path.stem, load_report(path)) for path in paths])
+
+
+def rerender(args: argparse.Namespace) -> int:
+    paths = args.from_json
+    try:
+        if len(paths) == 1 and not is_results_page(args.markdown):
+            write_reports(args, load_report(paths[0]))
+            return 0
+        if len(paths) > 1 and (args.json_path or args.plot):
+            raise ValueError("several --from-json reports render markdown only: drop --json/--plot/--out-dir")
+        if not args.markdown:
+            raise ValueError("several --from-json reports need --markdown PATH (a results page or a new file)")
+        generated = render_results(paths)
+        if is_results_page(args.markdown):
+            args.markdown.write_text(splice(args.markdown.read_text(), generated))
+            print(f"bench: {args.markdown}: {len(paths)} result(s) rewritten after the marker line", file=sys.stderr)
+        else:
+            args.markdown.write_text(generated)
+            print(f"bench: {args.markdown}: {len(paths)} result(s)", file=sys.stderr)
+    except (ValueError, OSError, KeyError, json.JSONDecodeError) as e:
+        print(f"bench: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -169,7 +220,7 @@ def write_json(args: argparse.Namespace, report: dict) -> None:
 
 def write_reports(args: argparse.Namespace, report: dict) -> None:
     if report.get("topology") == "split":
-        text = split_markdown(report)
+        text = report_markdown(report)
         print("\n" + text)
         write_json(args, report)
         if args.markdown:
@@ -177,7 +228,7 @@ def write_reports(args: argparse.Namespace, report: dict) -> None:
         if args.plot and split_plot(report, args.plot):
             print(f"plot: {args.plot}", file=sys.stderr)
         return
-    text = sweep_markdown(report) if "sweep" in report else markdown(report)
+    text = report_markdown(report)
     print("\n" + text)
     if args.json_path:
         args.json_path.write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n")
@@ -200,6 +251,9 @@ def run(args: argparse.Namespace) -> int:
     if args.from_json:
         return rerender(args)
     try:
+        if is_results_page(args.markdown):
+            raise ValueError(f"{args.markdown} is a results page (it has the line {MARKER}): save this run with --json "
+                             "beside the others and re-render them all with --from-json ... --markdown")
         modes = parse_modes(args.modes or (DEFAULT_SPLIT_MODES if args.topology == "split" else DEFAULT_MODES))
         classes = [c.strip() for c in args.classes.split(",") if c.strip()]
         prompts = load_prompts(args.prompts, classes, args.limit_prompts,
@@ -230,20 +284,24 @@ def run(args: argparse.Namespace) -> int:
         modes, skipped = [m for m in modes if m.name not in no_host], {**skipped, **no_host}
     if skipped:
         print(f"bench: note: skipping {', '.join(skipped)}: {next(iter(skipped.values()))}", file=sys.stderr)
+    record = run_record(getattr(args, "prog", None) or "coordinator bench", getattr(args, "argv", None) or [])
     if args.topology == "split":
         try:
-            report = run_split(args, modes, classes, skipped, on_progress=lambda so_far: write_json(args, so_far))
+            report = run_split(args, modes, classes, skipped,
+                               on_progress=lambda so_far: write_json(args, {"run": record, **so_far}))
         except (SplitUnavailable, MeshUnavailable) as e:
             print(f"bench: error: the split topology cannot run here: {e}", file=sys.stderr)
             return UNAVAILABLE
-        write_reports(args, report)
+        record["load_average_end"] = load_average()
+        write_reports(args, {"run": record, **report})
         return 0
 
     counts = args.threads or [None]
     runs = [measure(argparse.Namespace(**{**vars(args), "threads": n}), modes, prompts, classes, skipped,
                     engines, resolved) for n in counts]
     report = runs[0] if len(runs) == 1 else {"sweep": runs, "config": {"threads": counts}}
-    write_reports(args, report)
+    record["load_average_end"] = load_average()
+    write_reports(args, {"run": record, **report})
     return 0
 
 
@@ -327,7 +385,10 @@ def baseline_cpus(args: argparse.Namespace) -> set[int] | None:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    return run(build_parser(prog).parse_args(argv))
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(prog).parse_args(argv)
+    args.argv, args.prog = argv, prog or "coordinator bench"  # recorded in the JSON report ("run")
+    return run(args)
 
 
 if __name__ == "__main__":

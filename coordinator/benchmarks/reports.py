@@ -1,5 +1,6 @@
 """The benchmark's reports: a markdown summary (tables per class and mode, per-round breakdown, per-prompt speedups)
-and a PNG plot of the speedup per prompt (needs matplotlib)."""
+and a PNG plot of the speedup per prompt (needs matplotlib); and the results page (docs/benchmarks.md): a section per
+saved report (name, machine, date, command, then the same tables), spliced in after MARKER."""
 
 from __future__ import annotations
 
@@ -117,7 +118,8 @@ def header_notes(report: dict) -> list[str]:
                          "divergence column (against this run's target-only) is the exactness report.")
     cpu = info.get("cpu")
     if cpu:
-        text = f"- CPU: {cpu.get('cpu_count')} cores, flags {' '.join(cpu.get('cpu_flags') or []) or '(none)'}"
+        text = (f"- CPU: {cpu['cpu_model'] + ', ' if cpu.get('cpu_model') else ''}{cpu.get('cpu_count')} cores, "
+                f"flags {' '.join(cpu.get('cpu_flags') or []) or '(none)'}")
         if cpu.get("torch_cpu_capability"):
             text += f"; torch kernels {cpu['torch_cpu_capability']}"
         if cpu.get("llamacpp_cpu_features") is not None:
@@ -155,6 +157,78 @@ def header_notes(report: dict) -> list[str]:
     for mode, reason in (report.get("skipped_modes") or {}).items():
         lines.append(f"- skipped {mode}: {reason}.")
     return lines + [""] if lines else []
+
+
+def report_markdown(report: dict) -> str:
+    """The tables of any saved report, as the bench prints them: local, --threads sweep or --topology split."""
+    if report.get("topology") == "split":
+        return split_markdown(report)
+    return sweep_markdown(report) if "sweep" in report else markdown(report)
+
+
+# The line in a results page (docs/benchmarks.md) after which everything is generated: `coordinator bench --from-json
+# docs/results/*.json --markdown docs/benchmarks.md` keeps the page up to and including this line and rewrites the rest.
+MARKER = "<!-- generated results below: do not edit by hand -->"
+
+
+def result_section(name: str, report: dict) -> str:
+    """One saved report on a results page: a heading with its name, machine and date, the command that ran it and the
+    specmesh revision, then report_markdown's tables."""
+    run = report.get("run") or {}
+    machine = run.get("machine") or (report.get("info") or {}).get("cpu") or {}
+    cores = machine.get("usable_cpus") or machine.get("cpu_count")
+    where = ", ".join(part for part in (machine.get("cpu_model"), f"{cores} cores" if cores else None,
+                                        f"{machine['memory_gib']:g} GiB" if machine.get("memory_gib") else None)
+                      if part) or "machine not recorded"
+    date = (run.get("date") or "date not recorded").replace("T", " ").replace("+00:00", " UTC")
+    lines = [f"## {name}: {where}, {date}", ""]
+    if run.get("command"):
+        lines += ["```sh", run["command"], "```", ""]
+    facts = []
+    revision = run.get("specmesh_revision")
+    if revision:
+        facts.append(f"specmesh {revision['commit'][:12]}" + (" with local changes" if revision.get("dirty") else ""))
+    for key, label in (("os", None), ("python", "Python"), ("torch", "torch")):
+        if machine.get(key):
+            facts.append(f"{label} {machine[key]}" if label else machine[key])
+    start, end = run.get("load_average"), run.get("load_average_end")
+    load = [f"{start[0]:g} at the start" if start else None, f"{end[0]:g} at the end" if end else None]
+    if any(load):  # a busy host makes noisy numbers
+        facts.append("load average (1 min) " + ", ".join(part for part in load if part)
+                     + (f" on {cores} cores" if cores else ""))
+    if facts:
+        lines += ["Ran on " + "; ".join(facts) + ".", ""]
+    return "\n".join(lines) + "\n" + report_markdown(report)
+
+
+def results_markdown(reports: list[tuple[str, dict]]) -> str:
+    """The generated part of a results page: a section per (name, report), in the order given."""
+    return "\n".join(result_section(name, report) for name, report in reports)
+
+
+def _marker_line(lines: list[str]) -> int | None:
+    return next((i for i, line in enumerate(lines) if line.strip() == MARKER), None)
+
+
+def splice(page: str, generated: str) -> str:
+    """The results page with everything after its MARKER line replaced by a blank line and generated (ValueError: the
+    page has no marker line)."""
+    lines = page.splitlines(keepends=True)
+    at = _marker_line(lines)
+    if at is None:
+        raise ValueError(f"it has no line {MARKER!r}")
+    head = "".join(lines[:at + 1])
+    return head + ("" if head.endswith("\n") else "\n") + "\n" + generated
+
+
+def generated_part(page: str) -> str | None:
+    """What follows a results page's MARKER line (and the blank line splice puts after it); None: no marker line."""
+    lines = page.splitlines(keepends=True)
+    at = _marker_line(lines)
+    if at is None:
+        return None
+    rest = "".join(lines[at + 1:])
+    return rest[1:] if rest.startswith("\n") else rest
 
 
 def plot(report: dict, path: Path) -> bool:

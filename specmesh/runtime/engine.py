@@ -150,9 +150,9 @@ def load_engine(spec: str, engine: str = "auto", device: str = "auto", dtype: st
         from specmesh.runtime.llamacpp_engine import LlamaCppEngine
 
         return LlamaCppEngine.load(spec, device=device, dtype=dtype, threads=threads, max_sessions=max_sessions,
-                                   context_length=context_length, progress=progress)
+                                   context_length=context_length, progress=progress, prefix_cache=prefix_cache)
     from specmesh.runtime.models import load_model
     from specmesh.runtime.transformers_engine import TransformersEngine
 
     return TransformersEngine(load_model(spec, device=device, dtype=dtype, linear_backend=linear_backend,
-                                         threads=threads, progress=progress))
+                                         threads=threads, progress=progress), prefix_cache=prefix_cache)

@@ -5,7 +5,9 @@ is unified (all sequences share its cells), so a long session and many short one
 ONE `llama_decode` over the new tokens of every session in it, with logits requested for exactly the positions the
 caller needs; rollback removes a sequence's cells past a position (`llama_memory_seq_rm`). When the cells run out,
 the least recently used sessions outside the current batch lose their cached keys/values (their histories stay, so
-their next call recomputes them). The high-level `Llama` class is not used: it keeps a full-vocabulary score array
+their next call recomputes them). A dropped session's cells stay as a prefix cache entry (its sequence id idle) until
+cells or ids run out: a new session sharing its prefix gets those cells by `llama_memory_seq_cp` (shared, not copied)
+and decodes only what it adds. The high-level `Llama` class is not used: it keeps a full-vocabulary score array
 for the whole context and one sequence only.
 
 llama.cpp's batched evaluation is not bit-identical to its one-token evaluation, so speculative greedy output on this
@@ -31,6 +33,7 @@ import torch
 from specmesh.runtime import catalog
 from specmesh.runtime.kv_cache import check_batch, reusable_length
 from specmesh.runtime.model_thread import ModelThread
+from specmesh.runtime.prefix_cache import PrefixIndex
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -160,7 +163,7 @@ class LlamaCppEngine:
 
     def __init__(self, spec: str, path: Path, tokenizer, fingerprint: str, *, device: str = "cpu",
                  threads: int | None = None, max_sessions: int = 64, context_length: int | None = None,
-                 max_batch_size: int = 64) -> None:
+                 max_batch_size: int = 64, prefix_cache: bool = True) -> None:
         llama_cpp = _llama()
         self._lib = llama_cpp
         # torch only handles a few logits rows here (sampling, acceptance): one thread. Its own OpenMP team would
@@ -212,17 +215,21 @@ class LlamaCppEngine:
         self.weights_bytes = llama_cpp.llama_model_size(self._model)
 
         self._free_ids = list(range(self.max_sequences - 1, -1, -1))
-        self._released: list[int] = []  # ids of dropped sessions whose cells are not removed yet
+        # Dropped sessions' (id, tokens) whose cells are not yet removed or kept as a prefix cache entry.
+        self._released: list[tuple[int, list[int]]] = []
+        self.prefix_cache = prefix_cache  # off: a session never starts from another's cells (benchmarks of decoding)
+        self._prefixes: PrefixIndex[int] = PrefixIndex()  # idle sequence ids (their cells stay), keyed by id
         self._live: weakref.WeakValueDictionary[int, LlamaSequence] = weakref.WeakValueDictionary()
         self._clock = 0
         self._lock = threading.RLock()  # every llama call; the model thread is the only caller in practice
 
     @classmethod
     def load(cls, spec: str, device: str = "auto", dtype: str = "auto", threads: int | None = None,
-             max_sessions: int = 64, context_length: int | None = None, progress: bool = True) -> LlamaCppEngine:
+             max_sessions: int = 64, context_length: int | None = None, progress: bool = True,
+             prefix_cache: bool = True) -> LlamaCppEngine:
         path, tokenizer, fingerprint, device = gguf_engine_inputs("llama.cpp", spec, device, dtype, threads, progress)
         return cls(spec, path, tokenizer, fingerprint, device=device, threads=threads, max_sessions=max_sessions,
-                   context_length=context_length)
+                   context_length=context_length, prefix_cache=prefix_cache)
 
     def _describe(self) -> str:
         buffer = ctypes.create_string_buffer(256)
@@ -237,24 +244,65 @@ class LlamaCppEngine:
 
     # ------------------------------------------------------------------ sessions
 
+    @property
+    def prefix_hits(self) -> int:
+        return self._prefixes.hits
+
+    @property
+    def prefix_reused_tokens(self) -> int:
+        return self._prefixes.reused_tokens
+
+    def cached_prefixes(self) -> list[list[int]]:
+        """The token sequences idle sequence ids keep (the prefix cache), least recently used first."""
+        with self._lock:
+            self._remove_released()
+            return self._prefixes.prefixes()
+
     def new_sequence(self) -> LlamaSequence:
         with self._lock:
             self._remove_released()
-            if not self._free_ids:
+            if not self._free_ids and not self._drop_least_recent_prefix():
                 raise RuntimeError(f"all {self.max_sequences} llama.cpp sequences are in use")
             seq_id = self._free_ids.pop()
             sequence = LlamaSequence(self, seq_id)
             self._live[seq_id] = sequence
-            # A dropped session (ended, evicted, expired) hands its id back; its cells are removed before the next
-            # decode, on the model thread, never from whichever thread happened to drop the last reference.
-            weakref.finalize(sequence, self._released.append, seq_id)
+            # A dropped session (ended, evicted, expired) hands its id and tokens back; its cells become a prefix
+            # cache entry (or are removed) before the next decode, on the model thread, never from whichever thread
+            # happened to drop the last reference. The finalizer holds the token list, not the session.
+            weakref.finalize(sequence, self._released.append, (seq_id, sequence.cached_tokens))
             return sequence
 
     def _remove_released(self) -> None:
         while self._released:
-            seq_id = self._released.pop()
-            self._lib.llama_memory_seq_rm(self._memory, seq_id, -1, -1)
-            self._free_ids.append(seq_id)
+            seq_id, tokens = self._released.pop()
+            if self.prefix_cache and tokens:
+                self._prefixes.add(seq_id, tokens, seq_id)  # its cells stay: a later session may start from them
+            else:
+                self._lib.llama_memory_seq_rm(self._memory, seq_id, -1, -1)
+                self._free_ids.append(seq_id)
+
+    def _drop_least_recent_prefix(self) -> bool:
+        """Remove the least recently used prefix cache entry's cells and free its id; False when there is none."""
+        dropped = self._prefixes.pop_least_recent()
+        if dropped is None:
+            return False
+        seq_id = dropped[0]
+        self._lib.llama_memory_seq_rm(self._memory, seq_id, -1, -1)
+        self._free_ids.append(seq_id)
+        return True
+
+    def _resume_from_prefix(self, sequence: LlamaSequence, tokens: list[int], last_n: int) -> None:
+        """Start a session that holds no cells from the idle entry sharing the longest prefix with `tokens`: the
+        entry's cells get this sequence's id too (llama_memory_seq_cp shares cells, nothing is copied or
+        recomputed), so only what the request adds is decoded."""
+        if sequence.cached_tokens or not self.prefix_cache:
+            return
+        key, length = self._prefixes.longest(tokens, last_n)
+        if key is None:
+            return
+        entry = self._prefixes.resumed(key, length)
+        self._lib.llama_memory_seq_cp(self._memory, entry.handle, sequence.seq_id, 0, length)
+        sequence.cached_tokens[:] = entry.tokens[:length]  # in place: the finalizer holds this list
 
     def remove_cells(self, sequence: LlamaSequence, start: int) -> None:
         with self._lock:
@@ -262,7 +310,10 @@ class LlamaCppEngine:
                 raise RuntimeError(f"llama.cpp could not remove cells past {start} of sequence {sequence.seq_id}")
 
     def _evict_for(self, keep: Sequence[LlamaSequence]) -> bool:
-        """Free the cells of the least recently used sequence outside `keep`; False when there is none."""
+        """Free cells: the least recently used prefix cache entry's, else those of the least recently used sequence
+        outside `keep`; False when there is neither."""
+        if self._drop_least_recent_prefix():
+            return True
         kept = {id(s) for s in keep}
         candidates = [s for s in list(self._live.values()) if id(s) not in kept and s.cached_tokens]
         if not candidates:
@@ -295,6 +346,7 @@ class LlamaCppEngine:
             self._remove_released()
             fresh = []
             for sequence, tokens, last_n in zip(sequences, requests, last_ns):
+                self._resume_from_prefix(sequence, tokens, last_n)
                 sequence.rollback(sequence.reusable_length(tokens, last_n))
                 fresh.append(tokens[len(sequence.cached_tokens):])
             batch = self._batch

@@ -1,12 +1,22 @@
-"""The transformers engine: a LoadedModel (any HF causal LM, CPU or GPU) behind the engine seam."""
+"""The transformers engine: a LoadedModel (any HF causal LM, CPU or GPU) behind the engine seam.
+
+Prefix caching: a dropped session's DynamicCache and tokens stay (bounded by PREFIX_CACHE_MAX_BYTES and
+PREFIX_CACHE_MAX_ENTRIES, least recently used dropped first); a new session starts from a copy of the entry sharing the
+longest prefix of its first request, so it computes only what that request adds. In float32 the keys/values of a
+prefix do not depend on how it was split into passes (the k-token pass equals the one-token pass), so the logits
+after a resume equal a fresh prefill's.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import torch
+from transformers import DynamicCache
 
 from specmesh.runtime.batched_forward import batched_logits, can_batch
 from specmesh.runtime.devices import dtype_name
@@ -14,19 +24,41 @@ from specmesh.runtime.file_embedding import file_backed_bytes
 from specmesh.runtime.kv_cache import CachedSequence
 from specmesh.runtime.models import LoadedModel
 from specmesh.runtime.model_thread import ModelThread
+from specmesh.runtime.prefix_cache import PrefixIndex
 
 T = TypeVar("T")
 
 
-class _ThreadedSequence(CachedSequence):
-    """A CachedSequence whose forward passes run on its engine's model thread."""
+PREFIX_CACHE_MAX_BYTES = 1 << 30  # keys/values kept for later sessions (1 GiB: ~18k tokens of the 1.5B in float32)
+PREFIX_CACHE_MAX_ENTRIES = 16
 
-    def __init__(self, model: torch.nn.Module, thread: ModelThread) -> None:
-        super().__init__(model)
-        self._thread = thread
+
+class _Slot:
+    """A session's cache and tokens, held apart from the session so that its finalizer can hand them over."""
+
+    __slots__ = ("cache", "tokens")
+
+
+class _ThreadedSequence(CachedSequence):
+    """A CachedSequence whose forward passes run on its engine's model thread, and whose cache becomes a prefix cache
+    entry of the engine when the session is dropped."""
+
+    def __init__(self, engine: TransformersEngine) -> None:
+        self._slot = _Slot()
+        super().__init__(engine.model)
+        self._engine = engine
+        weakref.finalize(self, engine._released.append, self._slot)
+
+    cache = property(lambda self: self._slot.cache, lambda self, value: setattr(self._slot, "cache", value))
+    cached_tokens = property(lambda self: self._slot.tokens, lambda self, value: setattr(self._slot, "tokens", value))
 
     def logits_for(self, sequence: Sequence[int], last_n: int) -> torch.Tensor:
-        return self._thread.run(super().logits_for, sequence, last_n)
+        return self._engine._thread.run(self._engine._logits_for, self, list(sequence), last_n)
+
+
+def _cache_bytes(cache: DynamicCache) -> int:
+    return sum(t.numel() * t.element_size() for layer in cache.layers
+               for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if isinstance(t, torch.Tensor))
 
 
 def weights_bytes(model: torch.nn.Module) -> int:
@@ -39,7 +71,7 @@ def weights_bytes(model: torch.nn.Module) -> int:
 class TransformersEngine:
     engine = "transformers"
 
-    def __init__(self, loaded: LoadedModel, max_batch_size: int = 64) -> None:
+    def __init__(self, loaded: LoadedModel, max_batch_size: int = 64, prefix_cache: bool = True) -> None:
         self.loaded = loaded
         self.model = loaded.model
         self.name = loaded.name
@@ -55,9 +87,67 @@ class TransformersEngine:
         self.max_batch_size = max_batch_size if can_batch(loaded.model) else 1
         self.weights_bytes = weights_bytes(loaded.model)
         self._thread = ModelThread("transformers-forward")
+        self.prefix_cache = prefix_cache  # off: a session never starts from another's cache (benchmarks of decoding)
+        self._prefixes: PrefixIndex[DynamicCache] = PrefixIndex()
+        self._released: list[_Slot] = []  # dropped sessions' slots, taken into the prefix cache on the model thread
+        self._lock = threading.Lock()
+
+    @property
+    def prefix_hits(self) -> int:
+        return self._prefixes.hits
+
+    @property
+    def prefix_reused_tokens(self) -> int:
+        return self._prefixes.reused_tokens
+
+    def cached_prefixes(self) -> list[list[int]]:
+        """The token sequences the prefix cache keeps, least recently used first."""
+        with self._lock:
+            self._take_released()
+            return self._prefixes.prefixes()
 
     def new_sequence(self) -> CachedSequence:
-        return _ThreadedSequence(self.model, self._thread)
+        return _ThreadedSequence(self)
+
+    def _take_released(self) -> None:
+        """Dropped sessions' caches become prefix cache entries, within the bounds (least recently used out first)."""
+        while self._released:
+            slot = self._released.pop()
+            if self.prefix_cache and slot.tokens:
+                self._prefixes.add(id(slot), slot.tokens, slot.cache)
+        while len(self._prefixes) > PREFIX_CACHE_MAX_ENTRIES or (
+                len(self._prefixes) and sum(_cache_bytes(e.handle) for e in self._prefixes) > PREFIX_CACHE_MAX_BYTES):
+            self._prefixes.pop_least_recent()
+
+    def _resume(self, sequences: Sequence[CachedSequence], requests: Sequence[Sequence[int]],
+                last_ns: Sequence[int]) -> None:
+        """Sessions holding nothing start from a copy of the entry sharing the longest prefix of their request (a
+        copy: the entry stays for the next session with the same prefix)."""
+        with self._lock:
+            self._take_released()
+            if not self.prefix_cache or not len(self._prefixes):
+                return
+            for sequence, tokens, last_n in zip(sequences, requests, last_ns):
+                if sequence.cached_tokens:
+                    continue
+                key, length = self._prefixes.longest(tokens, last_n)
+                if key is None:
+                    continue
+                entry = self._prefixes.resumed(key, length)
+                cache = DynamicCache(config=self.model.config)
+                for index, layer in enumerate(entry.handle.layers):
+                    cache.update(layer.keys[:, :, :length].clone(), layer.values[:, :, :length].clone(), index)
+                sequence.cache = cache
+                sequence.cached_tokens = list(entry.tokens[:length])
+
+    def _logits_for(self, sequence: _ThreadedSequence, tokens: list[int], last_n: int) -> torch.Tensor:
+        self._resume([sequence], [tokens], [last_n])
+        return CachedSequence.logits_for(sequence, tokens, last_n)
+
+    def _batched_logits(self, sequences: Sequence[CachedSequence], requests: Sequence[Sequence[int]],
+                        last_ns: Sequence[int]) -> list[torch.Tensor]:
+        self._resume(sequences, requests, last_ns)
+        return batched_logits(self.model, sequences, requests, last_ns)
 
     def release_tokenizer(self) -> None:
         self.tokenizer = None
@@ -68,4 +158,4 @@ class TransformersEngine:
 
     def batched_logits(self, sequences: Sequence[CachedSequence], requests: Sequence[Sequence[int]],
                        last_ns: Sequence[int]) -> list[torch.Tensor]:
-        return self._thread.run(batched_logits, self.model, sequences, requests, last_ns)
+        return self._thread.run(self._batched_logits, sequences, requests, last_ns)

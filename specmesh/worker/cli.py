@@ -21,8 +21,11 @@ from specmesh.ops.flags import (DefaultsHelpFormatter, add_logging_flags, add_me
 from specmesh.wire.limits import DEFAULT_MAX_DRAFT_TOKENS
 from specmesh.ops.logs import configure_logging
 from specmesh.ops.metrics import serve_metrics
+from specmesh.ops.preflight import check_port, check_tls_files, with_fix
 from specmesh.runtime import model_thread
 from specmesh.runtime.engine import ENGINES
+from specmesh.runtime.model_spec import check_model
+from specmesh.wire.printable import printable
 from specmesh.wire.security import TlsFiles, exposure_warning, load_token
 from specmesh.worker.config import FaultInjection, ModelConfig, ServerConfig
 from specmesh.worker.lifeline import SignalStop, exit_when_stdin_closes
@@ -47,7 +50,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser, default_model: str) -> 
     parser.add_argument("--repack", action="store_true",
                         help="ik engine: repack the weights at load for faster kernels (not exact; off by default)")
     parser.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
-                        help="ik engine: a new session starts from the cached cells of a finished one that shares its "
+                        help="a new session starts from the cached keys/values of a finished one that shares its "
                         "prefix (turn n of a conversation prefills only what it added); --no-prefix-cache for "
                         "benchmarks of decoding alone")
     parser.add_argument("--linear-backend", choices=onednn.BACKENDS, default="auto",
@@ -124,6 +127,7 @@ def serve_main(command: RoleCommand, argv: list[str] | None = None) -> int:
     configure_logging(role, args.log_format, args.log_level)
     try:
         tls = TlsFiles(cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca) if (args.tls_cert or args.tls_ca) else None
+        check_tls_files(args.tls_cert, args.tls_key, args.tls_ca)
         token = load_token(args.token_file)
         config = ServerConfig(host=args.host, port=args.port, tls=tls, token=token,
                               max_message_bytes=args.max_message_bytes, max_concurrent_rpcs=args.max_concurrent_rpcs,
@@ -134,12 +138,22 @@ def serve_main(command: RoleCommand, argv: list[str] | None = None) -> int:
                             linear_backend=args.linear_backend, threads=args.threads, repack=args.repack,
                             prefix_cache=args.prefix_cache)
         faults = FaultInjection(inject_latency_s=args.inject_latency)
+        # What the flags get wrong, in one line with the fix, before the port is bound and the model loads.
+        check_model(args.model, "--model", args.engine, args.device, args.dtype)
+        check_port(args.host, args.port, "--port")
+        check_port(args.metrics_host, args.metrics_port, "--metrics-port")
         warning = exposure_warning(args.host, tls, token)
         if warning:
             print(warning, file=sys.stderr, flush=True)
-        server = WorkerServer(command.make_role(args, model), config, faults)
+        try:
+            server = WorkerServer(command.make_role(args, model), config, faults)
+        except RuntimeError as e:  # gRPC's "Failed to bind": taken since the check above
+            if "bind" not in str(e).lower():
+                raise
+            raise ValueError(f"could not listen on {args.host}:{args.port}: in use, or not an address of this "
+                             "machine: pass another --port (0 picks a free one) or --host") from None
     except (ValueError, OSError) as e:
-        print(f"{role}: error: {e}", file=sys.stderr)
+        print(f"{role}: error: {printable(with_fix(e), 20_000)}", file=sys.stderr)
         return 2
 
     loading = threading.Event()

@@ -58,7 +58,7 @@ class ModelConfig:
     linear_backend: str = "auto"  # CPU: "onednn" runs linear layers on oneDNN (specmesh/runtime/onednn.py), "torch" does not
     threads: int | None = None
     repack: bool = False  # ik engine: weights repacked at load (faster, not exact)
-    prefix_cache: bool = True  # ik engine: new sessions start from the cells of finished ones sharing their prefix
+    prefix_cache: bool = True  # new sessions start from the cached keys/values of finished ones sharing their prefix
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:

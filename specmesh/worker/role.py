@@ -3,22 +3,23 @@
 The server owns everything roles share: the port, health, auth, Info and EndSession, metrics, draining. A role says
 what it serves (WorkerRole): it registers its servicer and builds its engine, and names the Info fields only it has.
 Its engine (WorkerEngine) tells the server what it runs (ModelDescription), holds the sessions, warms up and forgets
-sessions.
+sessions. What a role's servicer reads of the server it is registered on is WorkerHost, which the server
+(specmesh/worker/server.py's WorkerServer) implements: this module never imports the server, the server imports it.
 """
 
 from __future__ import annotations
 
+import threading
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from specmesh.runtime.engine import ModelEngine
-from specmesh.worker.config import ServerConfig
+from specmesh.worker.config import FaultInjection, ServerConfig
 from specmesh.worker.session_store import SessionStore
 
 if TYPE_CHECKING:
     import grpc
-
-    from specmesh.worker.server import WorkerServer
 
 
 @dataclass(frozen=True)
@@ -57,13 +58,27 @@ class WorkerEngine(Protocol):
         """Forget a session; False when it was not held."""
 
 
+class WorkerHost(Protocol):
+    """What a role's servicer reads of the worker server it is registered on (WorkerServer implements it)."""
+
+    role: "WorkerRole"
+    config: ServerConfig
+    faults: FaultInjection
+    engine: WorkerEngine | None  # None until the model has loaded
+    max_context_length: int  # longest history a session may hold: the configured limit within the model's
+    stopping: threading.Event  # set once the server has begun to stop
+
+    def call_in_flight(self) -> AbstractContextManager[None]:
+        """Counts a servicer call while it runs, so that stopping waits for it."""
+
+
 class WorkerRole(Protocol):
     """What a role brings to the server."""
 
     name: str  # "drafter" or "verifier": logs, metrics labels
     service_name: str  # the gRPC service that health reports on
 
-    def add_servicer(self, worker: "WorkerServer", server: "grpc.Server") -> None:
+    def add_servicer(self, worker: WorkerHost, server: "grpc.Server") -> None:
         """Register the role's servicer (its RPCs, Info and EndSession) on `server`."""
 
     def build_engine(self, config: ServerConfig) -> WorkerEngine:

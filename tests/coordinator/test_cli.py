@@ -66,10 +66,12 @@ def test_bad_arguments_get_a_clear_message(args, message):
 
 
 def test_unknown_model_fails_cleanly():
+    """Before any worker starts: one line, status 2 (tests/coordinator/test_cli_errors.py has every such error)."""
     run = coordinator("generate", "--prompt", "x", "--max-new-tokens", "4", "--target-model", "tiny-random-nope",
                       "--draft-tokens", "0", "--device", "cpu")
-    assert run.returncode == 1
-    assert "tiny-random-nope" in run.stderr
+    assert run.returncode == 2
+    assert run.stderr.startswith("coordinator: error: --target-model 'tiny-random-nope' is no tiny preset")
+    assert len(run.stderr.splitlines()) == 1
 
 
 def test_models_list_names_the_catalog():

@@ -37,6 +37,36 @@ def test_pick_spreads_sessions_and_breaks_ties_by_listed_order(pool):
     assert pool.pick(avoid=a) is b
 
 
+def test_a_session_goes_where_its_prefix_is_cached_within_the_slack(pool):
+    from coordinator.fleet import AFFINITY_MIN_TOKENS, AFFINITY_SLACK
+    a, b, c = pool.endpoints
+    conversation = tuple(range(100, 100 + 2 * AFFINITY_MIN_TOKENS))
+    b.recent_histories.append(conversation)  # turn 1 ended on b
+    c.recent_histories.append(conversation[:AFFINITY_MIN_TOKENS - 1] + (7,))  # too short a shared prefix to count
+    turn2 = conversation + (1, 2, 3)
+    assert pool.pick(tokens=turn2) is b
+    assert pool.pick(tokens=turn2[:AFFINITY_MIN_TOKENS - 1]) is a, "a short shared prefix: least loaded"
+    assert pool.pick(tokens=(5,) + turn2) is a, "nothing shared: least loaded"
+    b.sessions = AFFINITY_SLACK
+    assert pool.pick(tokens=turn2) is b, "within the slack"
+    b.sessions = AFFINITY_SLACK + 1
+    assert pool.pick(tokens=turn2) is a, "too busy: balance wins"
+    b.sessions = 0
+    assert pool.pick(avoid=b, tokens=turn2) is a, "failover never returns to the endpoint it leaves"
+    b.breaker.record_failure()
+    assert pool.pick(tokens=turn2) is a
+
+
+def test_an_ended_session_is_remembered_where_it_ran(pool):
+    from coordinator.remote_sessions import FaultStats, PinnedSession
+    session = PinnedSession(pool, list(range(50)), FaultStats())
+    endpoint = session.attach()
+    session.sync.history.extend([1, 2])
+    session.sync.server_length = 52  # the worker held all of it
+    session.end("s")
+    assert list(endpoint.recent_histories) == [tuple(range(50)) + (1, 2)] and endpoint.sessions == 0
+
+
 def test_pick_avoids_an_endpoint_only_when_there_is_a_choice(pool):
     a, b, c = pool.endpoints
     b.breaker.record_failure()

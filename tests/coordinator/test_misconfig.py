@@ -117,12 +117,13 @@ def test_a_worker_that_is_still_loading_is_waited_for():
         server.stop(0)
 
 
-def test_generate_cli_reports_a_tls_mismatch_and_exits_1(tls_verifier):
+def test_generate_cli_reports_a_tls_mismatch_in_one_line_and_exits_2(tls_verifier):
+    """A misconfiguration the user can fix: one line naming it and the fix, status 2 (as every user error:
+    tests/coordinator/test_cli_errors.py)."""
     run = subprocess.run([sys.executable, "-m", "coordinator", "generate", "--prompt", "x", "--draft-tokens", "0",
                           "--verifier", tls_verifier.address, "--connect-timeout", str(PATIENCE_S)],
                          capture_output=True, text=True, timeout=300)
-    assert run.returncode == 1
-    lines = [line for line in run.stderr.splitlines() if line.strip()]
-    assert lines[-1].startswith(f"coordinator: error: verifier at {tls_verifier.address}: TLS handshake refused: "
-                                "the worker speaks TLS"), run.stderr
-    assert "Traceback" not in run.stderr
+    assert run.returncode == 2
+    assert run.stderr.startswith(f"coordinator: error: verifier at {tls_verifier.address}: TLS handshake refused: "
+                                 "the worker speaks TLS and this client plaintext (pass --tls-ca)"), run.stderr
+    assert len(run.stderr.splitlines()) == 1 and "Traceback" not in run.stderr

@@ -104,7 +104,7 @@ def test_batched_rows_match_their_single_passes(smol, prompt):
 
 
 def test_full_kv_cells_drop_the_least_recently_used_session():
-    engine = LlamaCppEngine.load(SMOL, context_length=256, max_sessions=4, progress=False)
+    engine = LlamaCppEngine.load(SMOL, context_length=256, max_sessions=4, progress=False, prefix_cache=False)
     try:
         first, second = engine.new_sequence(), engine.new_sequence()
         tokens = list(range(1000, 1160))
@@ -116,6 +116,65 @@ def test_full_kv_cells_drop_the_least_recently_used_session():
         close(first.logits_for(tokens, 1), expected)  # ...and recomputes them when it comes back
         with pytest.raises(ValueError, match="exceed the context"):
             first.logits_for(list(range(300)), 1)
+    finally:
+        engine.close()
+
+
+def test_prefix_cache_resumes_a_finished_sessions_cells(smol, prompt):
+    """Turn 2 of a conversation: the turn-1 session ended, its cells stay under its idle sequence id; the new session
+    shares them (seq_cp) and decodes only what turn 2 added, with the predictions of a session that never ended."""
+    turn1 = prompt + list(range(2000, 2030))
+    turn2 = turn1 + list(range(3000, 3012))
+    unbroken = smol.new_sequence()
+    unbroken.logits_for(turn1, 1)
+    reference = unbroken.logits_for(turn2, 3)
+    del unbroken
+    gc.collect()
+    first = smol.new_sequence()
+    first.logits_for(turn1, 1)
+    del first
+    gc.collect()  # the session ends: its id goes idle with its cells
+    assert turn1 in smol.cached_prefixes()
+    hits, reused = smol.prefix_hits, smol.prefix_reused_tokens
+    second = smol.new_sequence()
+    close(second.logits_for(turn2, 3), reference)
+    assert smol.prefix_hits == hits + 1 and smol.prefix_reused_tokens - reused >= len(turn1)
+    # A partial hit: a third session shares only the prompt with the cached entries, and predicts as a fresh one.
+    other = prompt + [5, 6, 7]
+    fresh = LlamaCppEngine.load(SMOL, context_length=512, max_sessions=1, progress=False, prefix_cache=False)
+    try:
+        close(smol.new_sequence().logits_for(other, 2), fresh.new_sequence().logits_for(other, 2))
+    finally:
+        fresh.close()
+    assert smol.prefix_hits == hits + 2
+
+
+def test_prefix_cache_gives_way_to_live_sessions_least_recently_used_first():
+    engine = LlamaCppEngine.load(SMOL, context_length=256, max_sessions=1, progress=False)  # 9 sequence ids
+    try:
+        for start in range(0, 1200, 100):  # 12 conversations of 60 tokens one after the other: cells and ids run out
+            engine.new_sequence().logits_for(list(range(1000 + start, 1060 + start)), 1)
+            gc.collect()
+        cached = engine.cached_prefixes()
+        assert [tokens[0] for tokens in cached] == [1800, 1900, 2000, 2100]  # 256 cells hold the 4 most recent
+        hits = engine.prefix_hits
+        engine.new_sequence().logits_for(list(range(2100, 2170)), 1)
+        assert engine.prefix_hits == hits + 1
+        live = engine.new_sequence()
+        live.logits_for(list(range(5000, 5250)), 1)  # a live session needs nearly every cell: the cache gives way
+        assert len(live.cached_tokens) == 250 and engine.cached_prefixes() == []
+    finally:
+        engine.close()
+
+
+def test_without_the_prefix_cache_sessions_never_share_cells():
+    engine = LlamaCppEngine.load(SMOL, context_length=256, max_sessions=1, progress=False, prefix_cache=False)
+    try:
+        tokens = list(range(1000, 1040))
+        engine.new_sequence().logits_for(tokens, 1)
+        gc.collect()
+        engine.new_sequence().logits_for(tokens, 1)
+        assert engine.prefix_hits == 0 and engine.cached_prefixes() == []
     finally:
         engine.close()
 

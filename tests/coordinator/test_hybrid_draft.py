@@ -1,0 +1,148 @@
+"""Hybrid drafting (coordinator/hybrid_draft.py): the suffix draft where its match is long enough, the model's draft
+elsewhere; both drafters learn every committed token. Then a real fleet on the tiny float64 target: a verifier, a model
+drafter and a suffix drafter, whose hybrid output equals the target's own greedy decoding, with the suffix drafter
+drafting a repeated request and the model drafter the rest."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator import Coordinator, GenerationOptions
+from coordinator.hybrid_draft import HybridDraftSource
+from coordinator.loop import Draft, LoopConfig, speculative_decode
+from coordinator.draft_length import DraftLength
+from tests.chaos.conftest import running_fleet
+from tests.helpers import reference_greedy
+
+
+class Scripted:
+    """A draft source returning given drafts in turn, recording what it was asked and told."""
+
+    def __init__(self, drafts):
+        self.drafts = list(drafts)
+        self.asked: list[int] = []
+        self.committed: list[int] = []
+        self.ended = False
+
+    def propose(self, k, after=()):
+        self.asked.append(k)
+        return Draft(tuple(self.drafts.pop(0))[:k]) if self.drafts else Draft()
+
+    def update(self, committed):
+        self.committed.extend(committed)
+
+    def end(self):
+        self.ended = True
+
+
+def test_the_suffix_draft_wins_when_its_match_is_long_enough():
+    suffix, model = Scripted([(1, 2, 3), (4,), ()]), Scripted([(7, 8), (9, 9)])
+    hybrid = HybridDraftSource(suffix, model, min_suffix_tokens=2)
+    assert hybrid.propose(4).tokens == (1, 2, 3)
+    assert hybrid.propose(4).tokens == (7, 8)  # one suffix token: too weak a match, the model drafts
+    assert hybrid.propose(4).tokens == (9, 9)  # none at all: the model drafts
+    assert (hybrid.suffix_rounds, hybrid.model_rounds) == (1, 2)
+    assert suffix.asked == [4, 4, 4] and model.asked == [4, 4]
+    hybrid.update([5, 6])
+    assert suffix.committed == model.committed == [5, 6]  # both learn every committed token
+    hybrid.end()
+    assert suffix.ended and model.ended
+
+
+def test_a_one_token_round_takes_a_one_token_suffix_draft():
+    suffix, model = Scripted([(1,)]), Scripted([(7,)])
+    hybrid = HybridDraftSource(suffix, model, min_suffix_tokens=2)
+    assert hybrid.propose(1).tokens == (1,) and model.asked == []
+
+
+def test_without_a_model_drafter_the_suffix_draft_is_the_draft_whatever_its_length():
+    hybrid = HybridDraftSource(Scripted([(1,), ()]), None)
+    assert hybrid.propose(4).tokens == (1,)
+    assert hybrid.propose(4).tokens == ()
+    assert (hybrid.suffix_rounds, hybrid.model_rounds) == (1, 0)
+    with pytest.raises(ValueError, match="min_suffix_tokens"):
+        HybridDraftSource(Scripted([]), None, min_suffix_tokens=0)
+
+
+class Target:
+    """The loop's target over a fixed continuation: accepts the agreeing prefix, then its own token."""
+
+    def __init__(self, continuation):
+        self.continuation, self.position = list(continuation), 0
+
+    def verify(self, draft):
+        from specmesh.decoding.acceptance import Verdict
+        expected = self.continuation[self.position:]
+        accepted = 0
+        while accepted < len(draft.tokens) and draft.tokens[accepted] == expected[accepted]:
+            accepted += 1
+        self.position += accepted + 1
+        return Verdict(accepted, expected[accepted])
+
+
+def test_the_loop_output_is_the_target_s_whichever_drafter_drafts():
+    continuation = list(range(100, 130))
+    suffix = Scripted([continuation[0:3], (), continuation[5:6], (0, 0, 0)] * 5)
+    model = Scripted([(1, 2)] * 20)  # always wrong: every model round is a rejection
+    result = speculative_decode(HybridDraftSource(suffix, model), Target(continuation),
+                                LoopConfig(max_new_tokens=20, draft_length=DraftLength.fixed(3)))
+    assert result.tokens == continuation[:20]
+
+
+# ---- a real fleet: verifier, model drafter, suffix drafter ----
+
+MAX_NEW = 40
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    with running_fleet() as fleet:
+        verifier = fleet.start("verifier")
+        drafter = fleet.start("drafter")
+        suffix = fleet.start("drafter", model="tiny-random-qwen2", extra=("--method", "suffix"))
+        yield verifier.address, drafter.address, suffix.address
+
+
+def test_hybrid_output_equals_target_greedy_and_the_suffix_drafter_takes_repeats(fleet, tiny_target):
+    verifier, drafter, suffix = fleet
+    prompt = tiny_target.tokenizer("The quick brown fox")["input_ids"]
+    expected = reference_greedy(tiny_target.model, prompt, MAX_NEW, set(tiny_target.eos_token_ids))
+    options = GenerationOptions(max_new_tokens=MAX_NEW, draft_policy="heuristic")
+    with Coordinator(verifier=verifier, drafter=drafter, suffix_drafter=suffix,
+                     tokenizer=tiny_target.tokenizer) as c:
+        first = c.generate(list(prompt), options)
+        again = c.generate(list(prompt), options)
+    assert first.token_ids == expected and again.token_ids == expected
+    assert first.stats["model_rounds"] > 0  # nothing to match the first time: the draft model drafts
+    # The second time the suffix drafter knows the whole answer (the first request's output, in its global tree).
+    assert again.stats["suffix_rounds"] > again.stats["model_rounds"], again.stats
+    assert again.stats["suffix_drafter"] is True
+
+
+def test_a_suffix_drafter_of_another_tokenizer_is_refused(fleet):
+    from coordinator.api import TokenizerMismatch
+    verifier, drafter, _ = fleet
+    with running_fleet() as other:
+        foreign = other.start("drafter", model="tiny-random-llama", extra=("--method", "suffix"))
+        with pytest.raises(TokenizerMismatch, match="suffix drafter"):
+            Coordinator(verifier=verifier, drafter=drafter, suffix_drafter=foreign.address)
+
+
+def test_the_cost_policy_drafts_hybrid_without_a_draft_model_that_cannot_pay():
+    """Where the draft model's costs rule it out even with every draft accepted, the cost policy's hybrid is the suffix
+    drafter alone (no model session is ever opened); a fixed k or the heuristic keep the model as asked."""
+    from coordinator.api import Coordinator
+    from tests.coordinator.test_drafting_decision import NOTHING_PAYS
+
+    coordinator = Coordinator.__new__(Coordinator)  # the decision only: no workers
+    coordinator.drafters, coordinator.suffix_drafters, coordinator.translator = object(), object(), None
+    coordinator.model_draft_off = NOTHING_PAYS.drafting_off(DraftLength.maximum)
+    assert coordinator.model_draft_off is not None
+
+    def source(**options):
+        return coordinator._draft_source("s", [1, 2, 3], GenerationOptions(**options), 0, None, None)
+    assert source(draft_policy="cost").model is None
+    assert source(draft_policy="heuristic").model is not None
+    assert source(draft_policy="cost", draft_tokens=3).model is not None
+    coordinator.model_draft_off = None
+    assert source(draft_policy="cost").model is not None

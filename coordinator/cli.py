@@ -343,13 +343,14 @@ LEAF_PARSERS: dict[str, argparse.ArgumentParser] = {}
 BENCHMARK_COMMANDS = {
     "bench": "side-by-side benchmark: target-only, speculative, n-gram and HF transformers baselines",
     "bench-concurrency": "aggregate tokens/s of concurrent generations with and without cross-session batching",
+    "bench-serve": "multi-turn conversations through `coordinator serve`: tokens/s and TTFT per turn, per mode",
 }
 
 
 def benchmark_module(command: str) -> ModuleType:
     """The module of a benchmark command: build_parser(prog) and main(argv, prog)."""
-    from coordinator.benchmarks import bench, concurrency
-    return {"bench": bench, "bench-concurrency": concurrency}[command]
+    from coordinator.benchmarks import bench, concurrency, serve_bench
+    return {"bench": bench, "bench-concurrency": concurrency, "bench-serve": serve_bench}[command]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -13,7 +13,7 @@ import json
 from typing import Any
 
 # Bump if the canonical form changes, so old and new fingerprints never collide.
-_SCHEME = "specmesh-tokenizer-fingerprint/1"
+SCHEME = "specmesh-tokenizer-fingerprint/1"
 
 
 def _added_tokens(tokenizer: Any) -> list[list[Any]]:
@@ -52,7 +52,7 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     vocab = tokenizer.get_vocab()
     tokens = sorted(vocab)
     payload = {
-        "scheme": _SCHEME,
+        "scheme": SCHEME,
         "vocab_tokens": tokens,
         "vocab_ids": list(map(vocab.__getitem__, tokens)),
         "added_tokens": _added_tokens(tokenizer),
@@ -63,4 +63,4 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     return hashlib.sha256(blob.encode("utf-8", "surrogatepass")).hexdigest()
 
 
-__all__ = ["tokenizer_fingerprint"]
+__all__ = ["SCHEME", "tokenizer_fingerprint"]

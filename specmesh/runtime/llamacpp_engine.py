@@ -108,10 +108,10 @@ def gguf_file(spec: str, progress: bool = True) -> Path:
 def gguf_engine_inputs(runtime: str, spec: str, device: str, dtype: str, threads: int | None,
                        progress: bool) -> tuple[Path, Any, str, str]:
     """What a GGUF engine (llama.cpp, ik_llama.cpp) is built from, its arguments checked: (the GGUF file, the
-    tokenizer, its fingerprint, the resolved device type)."""
+    tokenizer (loaded on first use: a worker reads only its cached fingerprint, eos id and chat template), its
+    fingerprint, the resolved device type)."""
     from specmesh.runtime.devices import resolve_device
-    from specmesh.runtime.fingerprint import tokenizer_fingerprint
-    from specmesh.runtime.tokenizer import load_tokenizer
+    from specmesh.runtime.tokenizer import GgufTokenizer
 
     if dtype != "auto":
         raise ValueError(f"--dtype {dtype} applies to the transformers engine; {runtime} runs the GGUF's own "
@@ -119,8 +119,8 @@ def gguf_engine_inputs(runtime: str, spec: str, device: str, dtype: str, threads
     if threads is not None and threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
     path = gguf_file(spec, progress)
-    tokenizer = load_tokenizer(spec, progress=progress)
-    return path, tokenizer, tokenizer_fingerprint(tokenizer), resolve_device(device).type
+    tokenizer = GgufTokenizer(spec, progress=progress)
+    return path, tokenizer, tokenizer.fingerprint, resolve_device(device).type
 
 
 def file_type(description: str) -> str:

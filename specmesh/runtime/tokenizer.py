@@ -1,8 +1,10 @@
 """Load only the tokenizer of a model spec (the coordinator and the llama.cpp engine need text <-> ids, not the
-transformers weights)."""
+transformers weights); for a GGUF model, what a worker needs of it (fingerprint, eos id, chat template) without
+loading it (GgufTokenizer)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -59,3 +61,44 @@ def load_tokenizer(spec: str, progress: bool = True):
     if not (only / "tokenizer_config.json").is_file():
         _convert_tokenizer(gguf, only, progress)
     return AutoTokenizer.from_pretrained(only)
+
+
+class GgufTokenizer:
+    """A GGUF model's tokenizer, loaded on first use. Its fingerprint, eos id and chat template, all a worker needs of
+    it, come from a small cache file written the first time (loading Qwen's 151k-token tokenizer takes about a second
+    of a worker's start, which a restarted worker should not spend)."""
+
+    def __init__(self, spec: str, progress: bool = True) -> None:
+        from specmesh.runtime.fingerprint import SCHEME, tokenizer_fingerprint
+
+        self._spec, self._progress, self._loaded = spec, progress, None
+        _, label, key = models.gguf_source(spec)
+        path = catalog.cache_dir() / "converted" / f"{label}-{key}-tokenizer-facts.json"
+        try:
+            facts = json.loads(path.read_text())
+            if facts.get("scheme") != SCHEME:
+                raise ValueError("another fingerprint scheme")
+        except (OSError, ValueError):
+            tokenizer = self._load()
+            facts = {"scheme": SCHEME, "fingerprint": tokenizer_fingerprint(tokenizer),
+                     "eos_token_id": tokenizer.eos_token_id, "chat_template": tokenizer.chat_template}
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(facts))
+            tmp.replace(path)  # atomic: a reader sees the whole file or none
+        self.fingerprint: str = facts["fingerprint"]
+        self.eos_token_id: int | None = facts["eos_token_id"]
+        self.chat_template: str | None = facts["chat_template"]
+
+    def _load(self):
+        if self._loaded is None:
+            self._loaded = load_tokenizer(self._spec, progress=self._progress)
+        return self._loaded
+
+    def __getattr__(self, name: str):  # anything but the facts: the tokenizer itself
+        if name.startswith("__") or name in ("_spec", "_progress", "_loaded"):
+            raise AttributeError(name)
+        return getattr(self._load(), name)
+
+    def __call__(self, *args, **kwargs):
+        return self._load()(*args, **kwargs)

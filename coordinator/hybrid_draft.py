@@ -20,10 +20,15 @@ MIN_SUFFIX_TOKENS = 2  # a one-token suffix draft is a weak match: the model's k
 
 class HybridDraftSource:
     def __init__(self, suffix: DraftSource, model: DraftSource | None,
-                 min_suffix_tokens: int = MIN_SUFFIX_TOKENS) -> None:
+                 min_suffix_tokens: int = MIN_SUFFIX_TOKENS, model_max_k: int | None = None) -> None:
+        """`model_max_k`: the longest draft the model is asked for (the policy's k follows the suffix drafter's
+        near-zero cost; a model draft costs c per token, so its own best k is shorter)."""
         if min_suffix_tokens < 1:
             raise ValueError(f"min_suffix_tokens must be >= 1, got {min_suffix_tokens}")
+        if model_max_k is not None and model_max_k < 1:
+            raise ValueError(f"model_max_k must be >= 1, got {model_max_k}")
         self.suffix, self.model, self.min_suffix_tokens = suffix, model, min_suffix_tokens
+        self.model_max_k = model_max_k
         self.suffix_rounds = 0  # rounds drafted by the suffix drafter
         self.model_rounds = 0  # rounds drafted by the draft model
 
@@ -33,7 +38,7 @@ class HybridDraftSource:
             self.suffix_rounds += bool(draft.tokens)
             return draft
         self.model_rounds += 1
-        return self.model.propose(k, after)
+        return self.model.propose(min(k, self.model_max_k or k), after)
 
     def update(self, committed: Sequence[int]) -> None:
         self.suffix.update(committed)

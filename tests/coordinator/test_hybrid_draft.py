@@ -49,6 +49,15 @@ def test_the_suffix_draft_wins_when_its_match_is_long_enough():
     assert suffix.ended and model.ended
 
 
+def test_the_model_is_asked_for_at_most_its_own_best_k():
+    suffix, model = Scripted([(), ()]), Scripted([(7, 8, 9, 10), (7, 8, 9, 10)])
+    hybrid = HybridDraftSource(suffix, model, model_max_k=2)
+    assert hybrid.propose(6).tokens == (7, 8) and hybrid.propose(1).tokens == (7,)
+    assert suffix.asked == [6, 1] and model.asked == [2, 1]
+    with pytest.raises(ValueError, match="model_max_k"):
+        HybridDraftSource(suffix, model, model_max_k=0)
+
+
 def test_a_one_token_round_takes_a_one_token_suffix_draft():
     suffix, model = Scripted([(1,)]), Scripted([(7,)])
     hybrid = HybridDraftSource(suffix, model, min_suffix_tokens=2)
@@ -137,6 +146,7 @@ def test_the_cost_policy_drafts_hybrid_without_a_draft_model_that_cannot_pay():
     coordinator = Coordinator.__new__(Coordinator)  # the decision only: no workers
     coordinator.drafters, coordinator.suffix_drafters, coordinator.translator = object(), object(), None
     coordinator.model_draft_off = NOTHING_PAYS.drafting_off(DraftLength.maximum)
+    coordinator.model_max_k = 2
     assert coordinator.model_draft_off is not None
 
     def source(**options):
@@ -144,5 +154,6 @@ def test_the_cost_policy_drafts_hybrid_without_a_draft_model_that_cannot_pay():
     assert source(draft_policy="cost").model is None
     assert source(draft_policy="heuristic").model is not None
     assert source(draft_policy="cost", draft_tokens=3).model is not None
+    assert source(draft_policy="cost", draft_tokens=3).model_max_k is None, "a fixed k is the model's k too"
     coordinator.model_draft_off = None
-    assert source(draft_policy="cost").model is not None
+    assert source(draft_policy="cost").model is not None and source(draft_policy="cost").model_max_k == 2

@@ -8,7 +8,7 @@ ARGS   ?=
 # (llama-cpp-python, built from source). The last choice sticks: later `make` calls keep it.
 EXTRAS ?= $(shell cat $(VENV)/.extras 2>/dev/null || echo test)
 
-.PHONY: setup run test test-fast models proto clean
+.PHONY: setup run test test-fast models proto clean deploy-smoke docs-results
 
 setup: $(VENV)/.installed models
 
@@ -42,8 +42,22 @@ test: setup
 test-fast: $(VENV)/.installed
 	$(PY) -m pytest -q -m "not real_models"
 
+# The deployment run for real (docs/deployment.md): builds the CPU image, starts deploy/docker-compose.yml with podman
+# and podman-compose, SIGKILLs a verifier container mid-generation and requires the outputs of a run without the kill.
+# Needs root and podman (apt-get install podman runc debootstrap); minutes. Not part of `make test`. ARGS are passed on.
+deploy-smoke: $(VENV)/.installed
+	$(PY) -m pip show podman-compose >/dev/null 2>&1 || $(PY) -m pip install -q --disable-pip-version-check "podman-compose==1.6.0"
+	$(PY) scripts/deploy_smoke.py $(ARGS)
+
 proto: $(VENV)/.installed
 	$(PY) scripts/gen_proto.py
+
+# Re-render docs/benchmarks.md's generated part (after its marker line) from every saved report in docs/results/
+# (`coordinator bench ... --json docs/results/NAME.json` adds one); tests/coordinator/benchmarks/test_results_docs.py
+# fails until the committed tables are this rendering.
+docs-results: $(VENV)/.installed
+	@grep -qxF '<!-- generated results below: do not edit by hand -->' docs/benchmarks.md || { echo "docs-results: docs/benchmarks.md has no marker line: nothing rewritten" >&2; exit 2; }
+	$(PY) -m coordinator bench --from-json docs/results/*.json --markdown docs/benchmarks.md
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -208,11 +208,10 @@ class Coordinator:
         self.cost_prior = cost_prior(self.verifier_info, self.drafter_info, self.round_trip_s)
         # Hybrid drafting: the policy works with the suffix drafter's costs (its drafts come first); the draft model
         # joins only where its own costs say some draft length can pay even with every draft accepted.
-        self.model_draft_off, self.model_max_k = None, None
+        self.model_draft_off, self.model_costs = None, self.cost_prior
         if self.suffix_drafters is not None:
             if self.cost_prior is not None:
                 self.model_draft_off = self.cost_prior.drafting_off(DraftLength.maximum)
-                self.model_max_k = max(1, self.cost_prior.best_k(DraftLength.maximum))
                 if self.model_draft_off is not None:
                     log.info("hybrid drafting, cost policy: without the draft model (%s; %s)", self.model_draft_off,
                              self.model_draft_off.details())
@@ -364,8 +363,10 @@ class Coordinator:
                 lambda history: TranslatingDraftSource(self.translator, history, open_session)))
         if self.suffix_drafters is None:
             return model
-        return HybridDraftSource(LazyDraftSource(prompt_ids, opener(self.suffix_drafters)), model,
-                                 model_max_k=self.model_max_k if options.draft_tokens is None else None)
+        # Under the cost policy the draft model drafts the k its own costs find best; a fixed k or the heuristic
+        # ask it for the round's k.
+        costs = self.model_costs if options.draft_tokens is None and options.draft_policy == "cost" else None
+        return HybridDraftSource(LazyDraftSource(prompt_ids, opener(self.suffix_drafters)), model, model_costs=costs)
 
     def check(self, prompt_tokens: int, options: GenerationOptions) -> None:
         """Raise ValueError if a request cannot run within the workers' limits (what generate would refuse)."""

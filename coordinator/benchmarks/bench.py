@@ -277,7 +277,7 @@ def run(args: argparse.Namespace) -> int:
     modes, skipped = drop_unrunnable(modes, args.target_model)
     if args.topology == "split":
         no_host = {m.name: "the split topology has no model-free drafter host" for m in modes
-                   if m.drafter in ("ngram", "suffix")
+                   if m.drafter in ("ngram", "suffix", "hybrid")
                    and m.kind == "specmesh"}
         no_host.update({m.name: "the split topology runs only target-only baselines" for m in modes
                         if m.kind != "specmesh" and m.drafter is not None})

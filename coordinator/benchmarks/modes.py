@@ -23,7 +23,8 @@ ENGINE_BASELINES = ((LLAMA_BASELINE, "speedup_vs_llama_target", "vs llama.cpp ta
 class Mode:
     name: str  # as shown in tables
     kind: str  # "specmesh", "hf", "llamacpp" or "ik"
-    drafter: str | None = None  # specmesh: None (target-only), "model", "ngram" or "suffix"; hf: "model", "ngram" or None;
+    drafter: str | None = None  # specmesh: None (target-only), "model", "ngram", "suffix" or "hybrid" (suffix + model);
+    #                             hf: "model", "ngram" or None;
     #                             llamacpp: None (llama-target) or "ngram" (llama-lookup)
     k: int | None = None  # specmesh: draft length, None = adaptive
     policy: str = "heuristic"  # specmesh adaptive k: coordinator/draft_length.py
@@ -54,6 +55,8 @@ def parse_mode(text: str) -> Mode:
         return Mode("suffix", "specmesh", "suffix", None)
     if t == "suffix-cost":
         return Mode("suffix-cost", "specmesh", "suffix", None, "cost")
+    if t == "hybrid":  # suffix drafts where the match is long, the model's elsewhere (coordinator/hybrid_draft.py)
+        return Mode("hybrid", "specmesh", "hybrid", None, "cost")
     if t.startswith(("ngram:", "ngram=", "ngram k=")) and t.rpartition("=" if "=" in t else ":")[2].isdigit():
         k = int(t.rpartition("=" if "=" in t else ":")[2])
         return Mode(f"ngram k={k}", "specmesh", "ngram", k)
@@ -71,7 +74,7 @@ def parse_mode(text: str) -> Mode:
         return Mode(IK_BASELINE, "ik")
     raise ValueError(f"unknown mode {text!r}: expected target-only|0, adaptive, adaptive-cost, pipelined, "
                      "pipelined-cost, K, ngram, "
-                     "ngram-cost, ngram:K, suffix, suffix-cost, hf-target, hf-assisted, hf-ngram, ik-target, llama-target or llama-lookup")
+                     "ngram-cost, ngram:K, suffix, suffix-cost, hybrid, hf-target, hf-assisted, hf-ngram, ik-target, llama-target or llama-lookup")
 
 
 def parse_modes(text: str) -> list[Mode]:

@@ -38,7 +38,8 @@ def specmesh_row(result, prompt: dict, mode: Mode) -> dict:
 def specmesh_runner(args, modes: list[Mode], prompts: list[dict]) -> Iterator[Runner]:
     """Workers up and warm, every coordinator connected; the runner's info gains the workers' memory at the end (after
     every generation). Its prompt_ids are the chat-templated prompts every side of the benchmark runs."""
-    need_model = any(m.drafter == "model" for m in modes if m.kind == "specmesh")
+    need_hybrid = any(m.drafter == "hybrid" for m in modes if m.kind == "specmesh")
+    need_model = need_hybrid or any(m.drafter == "model" for m in modes if m.kind == "specmesh")
     need_ngram = any(m.drafter == "ngram" for m in modes if m.kind == "specmesh")
     need_suffix = any(m.drafter == "suffix" for m in modes if m.kind == "specmesh")
     with ExitStack() as stack:
@@ -62,10 +63,11 @@ def specmesh_runner(args, modes: list[Mode], prompts: list[dict]) -> Iterator[Ru
             # The n-gram drafter reads the target's tokenizer only: no weights, nothing on device/dtype.
             spec = LocalWorkerSpec("drafter", args.target_model, "cpu", "auto", extra_args=tuple(extra))
             ngram_drafter = stack.enter_context(local_workers([spec]))["drafter"]
-        suffix_drafter = None
-        if need_suffix:  # model-free too: its trees learn from every generation the bench runs
-            spec = LocalWorkerSpec("drafter", args.target_model, "cpu", "auto", extra_args=("--method", "suffix"))
-            suffix_drafter = stack.enter_context(local_workers([spec]))["drafter"]
+        # Model-free too, and one per mode that uses one: its trees learn from every generation of that mode, and a
+        # shared one would hand the hybrid the suffix mode's answer to the same prompt.
+        suffix_spec = LocalWorkerSpec("drafter", args.target_model, "cpu", "auto", extra_args=("--method", "suffix"))
+        suffix_drafter = stack.enter_context(local_workers([suffix_spec]))["drafter"] if need_suffix else None
+        hybrid_suffix_drafter = stack.enter_context(local_workers([suffix_spec]))["drafter"] if need_hybrid else None
 
         base = stack.enter_context(Coordinator(verifier=verifier))  # loads the verifier's tokenizer
         tokenizer = base.tokenizer
@@ -78,6 +80,10 @@ def specmesh_runner(args, modes: list[Mode], prompts: list[dict]) -> Iterator[Ru
                                                                     tokenizer=tokenizer))
         if need_suffix:
             coordinators["suffix"] = stack.enter_context(Coordinator(verifier=verifier, drafter=suffix_drafter,
+                                                                     tokenizer=tokenizer))
+        if need_hybrid:
+            coordinators["hybrid"] = stack.enter_context(Coordinator(verifier=verifier, drafter=drafter,
+                                                                     suffix_drafter=hybrid_suffix_drafter,
                                                                      tokenizer=tokenizer))
         info = {"target": base.verifier_info.model_name, "dtype": base.verifier_info.dtype,
                 "device": base.verifier_info.device, "eos_token_ids": sorted(base.verifier_info.eos_token_ids),

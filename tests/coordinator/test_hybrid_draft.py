@@ -5,6 +5,8 @@ drafting a repeated request and the model drafter the rest."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from coordinator import Coordinator, GenerationOptions
@@ -49,13 +51,21 @@ def test_the_suffix_draft_wins_when_its_match_is_long_enough():
     assert suffix.ended and model.ended
 
 
-def test_the_model_is_asked_for_at_most_its_own_best_k():
-    suffix, model = Scripted([(), ()]), Scripted([(7, 8, 9, 10), (7, 8, 9, 10)])
-    hybrid = HybridDraftSource(suffix, model, model_max_k=2)
-    assert hybrid.propose(6).tokens == (7, 8) and hybrid.propose(1).tokens == (7,)
-    assert suffix.asked == [6, 1] and model.asked == [2, 1]
-    with pytest.raises(ValueError, match="model_max_k"):
-        HybridDraftSource(suffix, model, model_max_k=0)
+def test_the_model_drafts_the_k_its_costs_find_best_at_its_measured_acceptance():
+    from tests.coordinator.test_drafting_decision import DRAFTING_PAYS
+    costly = replace(DRAFTING_PAYS, draft_s_per_token=0.3)  # a model draft costs 0.3 target steps per token
+    suffix, model = Scripted([()] * 20), Scripted([(7, 8, 9, 10, 11, 12)] * 20)
+    hybrid = HybridDraftSource(suffix, model, model_costs=costly)
+    first = hybrid.propose(6)
+    assert 0 < len(first.tokens) == hybrid.model_k(6) <= 6 and model.asked == [hybrid.model_k(6)]
+    for _ in range(6):  # the target keeps none of the model's drafts: its k falls to 0, then it is not asked
+        hybrid.update([99])
+        hybrid.propose(6)
+    assert hybrid.model_k(6) == 0
+    asked = len(model.asked)
+    assert hybrid.propose(6).tokens == () and len(model.asked) == asked
+    assert hybrid.model_drafted > 0 and hybrid.model_accepted == 0
+    assert HybridDraftSource(suffix, model).model_k(5) == 5, "without costs: the round's k"
 
 
 def test_a_one_token_round_takes_a_one_token_suffix_draft():
@@ -146,7 +156,7 @@ def test_the_cost_policy_drafts_hybrid_without_a_draft_model_that_cannot_pay():
     coordinator = Coordinator.__new__(Coordinator)  # the decision only: no workers
     coordinator.drafters, coordinator.suffix_drafters, coordinator.translator = object(), object(), None
     coordinator.model_draft_off = NOTHING_PAYS.drafting_off(DraftLength.maximum)
-    coordinator.model_max_k = 2
+    coordinator.model_costs = NOTHING_PAYS
     assert coordinator.model_draft_off is not None
 
     def source(**options):
@@ -154,6 +164,6 @@ def test_the_cost_policy_drafts_hybrid_without_a_draft_model_that_cannot_pay():
     assert source(draft_policy="cost").model is None
     assert source(draft_policy="heuristic").model is not None
     assert source(draft_policy="cost", draft_tokens=3).model is not None
-    assert source(draft_policy="cost", draft_tokens=3).model_max_k is None, "a fixed k is the model's k too"
+    assert source(draft_policy="cost", draft_tokens=3).model_costs is None, "a fixed k is the model's k too"
     coordinator.model_draft_off = None
-    assert source(draft_policy="cost").model is not None and source(draft_policy="cost").model_max_k == 2
+    assert source(draft_policy="cost").model is not None and source(draft_policy="cost").model_costs is NOTHING_PAYS

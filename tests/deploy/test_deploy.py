@@ -14,7 +14,10 @@ network).
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import importlib.util
+import io
 import json
 import re
 import subprocess
@@ -36,6 +39,7 @@ MANIFESTS = K8S / "manifests"
 SECRET_EXAMPLE = K8S / "secret-token.example.yaml"
 COMPOSE_FILES = [DEPLOY / "docker-compose.yml", DEPLOY / "docker-compose.gpu.yml"]
 DOCKERFILES = [DEPLOY / "Dockerfile", DEPLOY / "Dockerfile.cuda"]
+WHEELS = DEPLOY / "wheels"  # optional local wheels for the CPU image, git-ignored but for its README
 
 NAMESPACE = "specmesh"
 # Oldest Kubernetes we support (native gRPC probes are GA since 1.27, autoscaling/v2 since 1.23) and the newest
@@ -473,6 +477,95 @@ def test_pods_share_cache_token_and_run_as_non_root():
 def test_deploy_readme_covers_every_file():
     readme = (DEPLOY / "README.md").read_text()
     for path in sorted(DEPLOY.rglob("*")):
+        if path.is_relative_to(WHEELS) and path != WHEELS / "README.md":
+            continue  # git-ignored local wheels (deploy/wheels/README.md)
         if path.is_file() and path != DEPLOY / "README.md" and not path.name.endswith(".dockerignore"):
             assert path.name in readme, f"deploy/README.md does not mention {path.relative_to(DEPLOY)}"
+    assert "wheels/" in readme and "scripts/deploy_smoke.py" in readme
     assert "no docker engine" in readme.lower()
+
+
+# ------------------------------------------------------------------------- scripts/deploy_smoke.py (offline: its plan)
+
+@functools.cache
+def deploy_smoke():
+    """scripts/deploy_smoke.py as a module (it is a script, not a package member)."""
+    spec = importlib.util.spec_from_file_location("deploy_smoke", REPO / "scripts" / "deploy_smoke.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_deploy_smoke_arguments():
+    smoke = deploy_smoke()
+    args = smoke.parse_args([])
+    assert args.prompts == args.concurrency == len(smoke.PROMPTS) >= 2
+    assert {kind for kind, _ in smoke.PROMPTS} == {"completion", "chat"}, "both endpoints"
+    assert args.max_tokens <= 64 and args.warmup and args.recovery and not args.keep and not args.plan
+    assert args.base_image == smoke.DEFAULT_BASE_IMAGE and args.torch_wheel == "auto"
+    args = smoke.parse_args(["--prompts", "1", "--max-tokens", "8", "--no-recovery", "--keep", "--no-warmup",
+                             "--base-image", "python:3.11-slim", "--concurrency", "2"])
+    assert (args.prompts, args.concurrency, args.max_tokens) == (1, 2, 8)
+    assert not args.recovery and not args.warmup and args.keep
+    for bad in (["--max-tokens", "0"], ["--prompts", str(len(smoke.PROMPTS) + 1)], ["--kill"]):
+        with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()):
+            smoke.parse_args(bad)
+
+
+def test_deploy_smoke_plan_follows_the_deploy_files():
+    smoke = deploy_smoke()
+    plan = smoke.make_plan(smoke.parse_args(["--compose", "podman-compose", "--base-image", "base:1"]))
+    services = compose(DEPLOY / "docker-compose.yml")["services"]
+    assert plan.image == services["coordinator"]["image"] and plan.project == "specmesh"
+    # Every service once, after everything it depends on; the coordinator last, alone.
+    stage_of = {name: i for i, stage in enumerate(plan.stages) for name in stage}
+    assert sorted(stage_of) == sorted(services) and sum(map(len, plan.stages)) == len(services)
+    for name, service in services.items():
+        for dep in service.get("depends_on", {}):
+            assert stage_of[dep] < stage_of[name], f"{name} starts before its dependency {dep}"
+    assert plan.stages[-1] == [plan.coordinator] == ["coordinator"]
+    assert [s for s in plan.services.values() if s.one_shot] == [plan.services["models"]]
+    assert sorted(plan.verifiers) == ["verifier-1", "verifier-2"] and plan.drafters == ["drafter"]
+    assert plan.http_url == "http://127.0.0.1:8000" and plan.metrics_url == "http://127.0.0.1:9100/metrics"
+    assert set(plan.models) == {DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL}
+    assert plan.volume == "specmesh_model-cache"
+    # The build: the compose file's Dockerfile and context, its ignore file, the base as the Dockerfile's ARG.
+    build = plan.build_command
+    assert build[:2] == ["podman", "build"] and Path(build[-1]) == REPO
+    assert Path(build[build.index("-f") + 1]) == DEPLOY / "Dockerfile"
+    assert Path(build[build.index("--ignorefile") + 1]) == DEPLOY / "Dockerfile.dockerignore"
+    assert build[build.index("--build-arg") + 1] == "PYTHON_IMAGE=base:1"
+    assert build[build.index("-t") + 1] == plan.image
+    assert "PYTHON_IMAGE" in [r.partition("=")[0] for i, r in parse_dockerfile(DEPLOY / "Dockerfile") if i == "ARG"]
+    up = plan.up_command(["models"])
+    assert up[0] == "podman-compose" and up[up.index("--in-pod") + 1] == "false"
+    assert Path(up[up.index("-f") + 1]) == DEPLOY / "docker-compose.yml"
+    assert up[-4:] == ["up", "-d", "--no-build", "models"]
+    # The cache files it seeds belong to the image's user; the torch it fetches is pyproject's pin.
+    assert smoke.IMAGE_UID == NON_ROOT_UID
+    torch_pin = next(d for d in tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+                     if d.replace(" ", "").startswith("torch=="))
+    assert torch_pin.replace(" ", "") == f"torch=={smoke.TORCH_PIN}"
+
+
+def test_deploy_smoke_plan_runs_nothing(monkeypatch, capsys):
+    smoke = deploy_smoke()
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"--plan ran {args}")
+
+    monkeypatch.setattr(smoke.subprocess, "run", refuse)
+    monkeypatch.setattr(smoke.subprocess, "Popen", refuse)
+    assert smoke.main(["--plan", "--compose", "podman-compose"]) == 0
+    out = capsys.readouterr().out
+    assert "podman build -f" in out and "up -d --no-build coordinator" in out and "temperature 0" in out
+
+
+def test_deploy_smoke_is_a_make_target_outside_make_test():
+    makefile = (REPO / "Makefile").read_text()
+    assert re.search(r"^deploy-smoke:.*\n(\t.*\n)*\t.*scripts/deploy_smoke\.py", makefile, re.M)
+    assert "deploy-smoke" in re.search(r"^\.PHONY:(.*)$", makefile, re.M).group(1).split()
+    # pytest collects tests/ only (pyproject testpaths): the smoke itself never runs in `make test`.
+    assert tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["testpaths"] == \
+        ["tests"]

@@ -18,14 +18,14 @@ def run(*args: str) -> subprocess.CompletedProcess:
 
 def test_coordinator_bench_runs_every_mode_and_writes_reports(tmp_path):
     # llama-target: asked for, but tiny-random-* models are not GGUF: skipped with a note, not an error.
-    modes = "target-only,adaptive,adaptive-cost,pipelined,3,ngram,hf-assisted,hf-target,llama-target"
+    modes = "target-only,adaptive,adaptive-cost,pipelined,3,ngram,hybrid,hf-assisted,hf-target,llama-target"
     done = run("bench", *TINY, "--engine", "transformers", "--modes", modes, "--classes", "code",
                "--limit-prompts", "1", "--max-new-tokens", "12", "--out-dir", str(tmp_path))
     assert done.returncode == 0, done.stderr
     assert "skipping llama-target" in done.stderr and "not a GGUF model" in done.stderr
     report = json.loads((tmp_path / "bench.json").read_text())
     assert {row["mode"] for row in report["rows"]} == {"target-only", "adaptive", "adaptive-cost", "pipelined", "k=3",
-                                                       "ngram", "hf-assisted", "hf-target"}
+                                                       "ngram", "hybrid", "hf-assisted", "hf-target"}
     assert "llama-target" in report["skipped_modes"] and "llama-target" not in report["config"]["modes"]
     assert report["config"]["engines"] == {"target": "transformers", "draft": "transformers"}
     assert report["config"]["order"] == "interleaved"  # tiny models: the baselines fit beside the workers
@@ -37,6 +37,8 @@ def test_coordinator_bench_runs_every_mode_and_writes_reports(tmp_path):
     # policy may rightly draft nothing: a draft model as large as the target never pays).
     assert all(r["diverges_at"] is None and r["acceptance_rate"] in (1.0, None if r["mode"] == "adaptive-cost" else 1.0)
                for r in speculative)
+    # Hybrid: suffix drafts may be rejected (the suffix drafter guesses), never the output.
+    assert all(r["diverges_at"] is None for r in report["rows"] if r["mode"] == "hybrid")
     table = (tmp_path / "bench.md").read_text()
     assert "| all | adaptive |" in table and "- skipped llama-target:" in table
     assert "- engines: verifier transformers" in table and "- order: interleaved" in table

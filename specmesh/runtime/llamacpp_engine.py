@@ -33,7 +33,7 @@ import torch
 from specmesh.runtime import catalog
 from specmesh.runtime.kv_cache import check_batch, reusable_length
 from specmesh.runtime.model_thread import ModelThread
-from specmesh.runtime.prefix_cache import PrefixIndex
+from specmesh.runtime.prefix_cache import PrefixCacheCounters, PrefixIndex
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -157,7 +157,7 @@ class LlamaSequence:
         return len(self.cached_tokens) * self.engine.kv_bytes_per_token
 
 
-class LlamaCppEngine:
+class LlamaCppEngine(PrefixCacheCounters):
     engine = "llamacpp"
     linear_backend = ""  # llama.cpp's own kernels: no choice of linear layers to make
 
@@ -243,14 +243,6 @@ class LlamaCppEngine:
         return tuple(sorted(i for i in ids if i is not None and i >= 0))
 
     # ------------------------------------------------------------------ sessions
-
-    @property
-    def prefix_hits(self) -> int:
-        return self._prefixes.hits
-
-    @property
-    def prefix_reused_tokens(self) -> int:
-        return self._prefixes.reused_tokens
 
     def cached_prefixes(self) -> list[list[int]]:
         """The token sequences idle sequence ids keep (the prefix cache), least recently used first."""

@@ -73,3 +73,17 @@ class PrefixIndex(Generic[H]):
     def prefixes(self) -> list[list[int]]:
         """The cached token sequences, least recently used first."""
         return [list(e.tokens) for e in sorted(self._entries.values(), key=lambda e: e.last_used)]
+
+
+class PrefixCacheCounters:
+    """An engine's `prefix_hits` and `prefix_reused_tokens` (Info, metrics), read from its `_prefixes` index."""
+
+    _prefixes: PrefixIndex
+
+    @property
+    def prefix_hits(self) -> int:
+        return self._prefixes.hits
+
+    @property
+    def prefix_reused_tokens(self) -> int:
+        return self._prefixes.reused_tokens

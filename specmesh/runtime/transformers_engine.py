@@ -10,6 +10,7 @@ after a resume equal a fresh prefill's.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -24,7 +25,7 @@ from specmesh.runtime.file_embedding import file_backed_bytes
 from specmesh.runtime.kv_cache import CachedSequence
 from specmesh.runtime.models import LoadedModel
 from specmesh.runtime.model_thread import ModelThread
-from specmesh.runtime.prefix_cache import PrefixIndex
+from specmesh.runtime.prefix_cache import PrefixCacheCounters, PrefixIndex
 
 T = TypeVar("T")
 
@@ -68,7 +69,7 @@ def weights_bytes(model: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values()) + file_backed_bytes(model)
 
 
-class TransformersEngine:
+class TransformersEngine(PrefixCacheCounters):
     engine = "transformers"
 
     def __init__(self, loaded: LoadedModel, max_batch_size: int = 64, prefix_cache: bool = True) -> None:
@@ -90,15 +91,8 @@ class TransformersEngine:
         self.prefix_cache = prefix_cache  # off: a session never starts from another's cache (benchmarks of decoding)
         self._prefixes: PrefixIndex[DynamicCache] = PrefixIndex()
         self._released: list[_Slot] = []  # dropped sessions' slots, taken into the prefix cache on the model thread
+        self._entry_keys = itertools.count()
         self._lock = threading.Lock()
-
-    @property
-    def prefix_hits(self) -> int:
-        return self._prefixes.hits
-
-    @property
-    def prefix_reused_tokens(self) -> int:
-        return self._prefixes.reused_tokens
 
     def cached_prefixes(self) -> list[list[int]]:
         """The token sequences the prefix cache keeps, least recently used first."""
@@ -114,7 +108,8 @@ class TransformersEngine:
         while self._released:
             slot = self._released.pop()
             if self.prefix_cache and slot.tokens:
-                self._prefixes.add(id(slot), slot.tokens, slot.cache)
+                # A key of its own (not id(slot): the slot is freed after this and its id reused).
+                self._prefixes.add(next(self._entry_keys), slot.tokens, slot.cache)
         while len(self._prefixes) > PREFIX_CACHE_MAX_ENTRIES or (
                 len(self._prefixes) and sum(_cache_bytes(e.handle) for e in self._prefixes) > PREFIX_CACHE_MAX_BYTES):
             self._prefixes.pop_least_recent()

@@ -103,6 +103,13 @@ class Output:
         return b"".join(self.chunks).decode(errors="replace")
 
 
+def default_sigint() -> None:
+    """In the child before exec: SIGINT as a terminal's foreground command has it. A test run started in the background
+    of a non-interactive shell (`make test &`) inherits SIGINT ignored, and Python then installs no KeyboardInterrupt
+    handler: the Ctrl-C these tests send would be ignored, as nohup-style callers intend."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def interrupt(process: subprocess.Popen) -> None:
     os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: the whole foreground process group
 
@@ -136,7 +143,8 @@ def test_ctrl_c_during_generate_prints_the_partial_text_and_exits_130(slow_worke
     process = subprocess.Popen([sys.executable, "-m", "coordinator", "generate", "--prompt", "hello",
                                 "--max-new-tokens", "500", "--verifier", slow_workers["verifier"],
                                 "--drafter", slow_workers["drafter"], *TINY],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                               preexec_fn=default_sigint)
     out, err = Output(process.stdout), Output(process.stderr)
     assert wait_until(lambda: out.chunks or process.poll() is not None, timeout_s=120) and process.poll() is None
     interrupt(process)
@@ -150,7 +158,7 @@ def test_ctrl_c_while_local_workers_load_stops_them_and_exits_130():
     mark = uuid.uuid4().hex
     process = subprocess.Popen([sys.executable, "-m", "coordinator", "generate", "--prompt", "hello", *TINY],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                               env={**os.environ, "LIFETIME_TEST_MARK": mark})
+                               preexec_fn=default_sigint, env={**os.environ, "LIFETIME_TEST_MARK": mark})
     err = Output(process.stderr)
     # Interrupt once the verifier subprocess exists (its parent is waiting for it to load).
     assert wait_until(lambda: len(processes_with("LIFETIME_TEST_MARK", mark)) >= 2 or process.poll() is not None,

@@ -10,11 +10,13 @@ agreement, never assumed to be token-identical.
 from __future__ import annotations
 
 import gc
+import weakref
 
 import pytest
 import torch
 
 from coordinator.loop import LoopConfig, speculative_decode
+from coordinator.polling import wait_until
 from coordinator.draft_length import DraftLength
 from drafter.engine import DraftEngine
 from specmesh.runtime.engine import choose_engine
@@ -153,8 +155,11 @@ def test_prefix_cache_gives_way_to_live_sessions_least_recently_used_first():
     engine = LlamaCppEngine.load(SMOL, context_length=256, max_sessions=1, progress=False)  # 9 sequence ids
     try:
         for start in range(0, 1200, 100):  # 12 conversations of 60 tokens one after the other: cells and ids run out
-            engine.new_sequence().logits_for(list(range(1000 + start, 1060 + start)), 1)
-            gc.collect()
+            sequence = engine.new_sequence()
+            sequence.logits_for(list(range(1000 + start, 1060 + start)), 1)
+            gone = weakref.ref(sequence)
+            del sequence  # (the model thread may hold the call's arguments a moment longer: wait for the end)
+            assert wait_until(lambda: gc.collect() is not None and gone() is None, 5.0)
         cached = engine.cached_prefixes()
         assert [tokens[0] for tokens in cached] == [1800, 1900, 2000, 2100]  # 256 cells hold the 4 most recent
         hits = engine.prefix_hits

@@ -4,10 +4,12 @@ keys/values and gets exactly the logits of a fresh prefill; partial hits, bounds
 from __future__ import annotations
 
 import gc
+import weakref
 
 import pytest
 import torch
 
+from coordinator.polling import wait_until
 from specmesh.runtime import transformers_engine
 from specmesh.runtime.transformers_engine import TransformersEngine
 
@@ -24,8 +26,10 @@ def fresh_logits(tiny_target, tokens, last_n):
 def end_session(engine, tokens):
     sequence = engine.new_sequence()
     sequence.logits_for(tokens, 1)
+    gone = weakref.ref(sequence)
     del sequence
-    gc.collect()
+    # The model thread may still hold the call's arguments for a moment after answering: wait for the session to end.
+    assert wait_until(lambda: gc.collect() is not None and gone() is None, 5.0)
 
 
 def test_a_new_session_resumes_from_a_finished_one_exactly(engine, tiny_target):

@@ -1,6 +1,7 @@
 """The real default pair (Qwen2.5-Coder 0.5B drafting for 1.5B, the GGUFs as shipped) on the ik_llama.cpp engine, in
 process: greedy speculative output equals the target's own one-token greedy decoding on every committed benchmark
-prompt, for every k from 1 to 8, pipelined and not; and a worker's engine survives many concurrent sessions of very
+prompt, for every k from 1 to 8, pipelined and not; a second conversation turn resumed from the prefix cache and
+drafted hybrid stays exact; and a worker's engine survives many concurrent sessions of very
 different lengths, prefills mixed with verifies."""
 
 from __future__ import annotations
@@ -89,3 +90,46 @@ def test_many_concurrent_sessions_of_mixed_lengths_never_crash(pair):
     assert len(sessions) > engine.max_contexts
     with ThreadPoolExecutor(3) as pool:
         assert sum(pool.map(work, range(3))) == 24
+
+
+def conversation_turn(engine, messages: list[dict]) -> list[int]:
+    text = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return engine.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def test_a_second_turn_resumes_from_the_prefix_cache_and_hybrid_drafts_stay_exact(pair):
+    """Two turns of a conversation on the real pair: turn 2 starts from turn 1's cells (prefix cache hit, at least
+    turn 1's prompt reused) and, drafted hybrid (a suffix drafter first, the draft model elsewhere), gives exactly the
+    tokens a target without any cache or drafts gives; the suffix drafter, having seen turn 1's answer, drafts the
+    part of turn 2's answer that repeats it."""
+    from coordinator.hybrid_draft import HybridDraftSource
+    from drafter.ngram import ngram_description
+    from drafter.suffix import SuffixEngine
+    from specmesh.runtime.ik_engine import IkLlamaEngine
+    from specmesh.wire.history import EMPTY_HASH
+
+    target, draft = pair
+    params = SamplingParams()
+    suffix = SuffixEngine(ngram_description(target.name, target.vocab_size, target.eos_token_ids, target.fingerprint,
+                                            target.context_limit))
+    question = [{"role": "user", "content": "Write a Python function is_even(n) that returns True for even n."}]
+    turn1 = conversation_turn(target, question)
+    answer = decode(target, draft, turn1, 0)
+    suffix.propose("turn-1", 0, EMPTY_HASH, [*turn1, *answer], 1, params, 0)
+    suffix.end_session("turn-1")  # the finished request goes into the global tree
+    turn2 = conversation_turn(target, [*question, {"role": "assistant", "content": target.tokenizer.decode(answer)},
+                                       {"role": "user", "content": "Repeat the same function, unchanged."}])
+    hits, reused = target.prefix_hits, target.prefix_reused_tokens
+    config = LoopConfig(max_new_tokens=MAX_NEW, eos_token_ids=frozenset(target.eos_token_ids),
+                        draft_length=DraftLength.fixed(4))
+    hybrid = HybridDraftSource(InProcessDrafter(suffix, turn2, params), InProcessDrafter(DraftEngine(draft), turn2,
+                                                                                         params))
+    result = speculative_decode(hybrid, InProcessTarget(VerifyEngine(target), turn2, params), config)
+    assert target.prefix_hits > hits and target.prefix_reused_tokens - reused >= len(turn1) - 1
+    fresh = IkLlamaEngine.load(DEFAULT_TARGET_MODEL, context_length=2048, max_sessions=1, progress=False,
+                               prefix_cache=False)
+    try:
+        assert result.tokens == decode(fresh, draft, turn2, 0)
+    finally:
+        fresh.close()
+    assert hybrid.suffix_rounds > 0, (hybrid.suffix_rounds, hybrid.model_rounds)

@@ -216,8 +216,7 @@ class Coordinator:
                     log.info("hybrid drafting, cost policy: without the draft model (%s; %s)", self.model_draft_off,
                              self.model_draft_off.details())
             self.round_trip_s["drafter"] = round_trip_s(self.suffix_drafters)
-            self.cost_prior = cost_prior(self.verifier_info, self.suffix_drafter_info,
-                                         {**self.round_trip_s, "drafter": self.round_trip_s["drafter"]})
+            self.cost_prior = cost_prior(self.verifier_info, self.suffix_drafter_info, self.round_trip_s)
         # Limits agreed with the workers: no request may exceed what either side accepts (Info).
         self.propose_limit = min([info.max_draft_tokens for info in (self.drafter_info, self.suffix_drafter_info)
                                   if info is not None] or [1 << 30])

@@ -7,14 +7,17 @@ rounds so far. `POLICIES` names the adaptive ones a user may choose:
   round with k drafts commits E(k) tokens and costs k*c + v(k): c the drafter's seconds per token, v(k) the verify's
   seconds for k drafts (the verifier's measured curve, see CostEstimate.verify_curve), E(k) from this generation's
   measured acceptance. After a fully accepted round it drafts 2 more (HF's rule: the drafter is following the text,
-  and bursty runs last longer than any average predicts); after a rejection it keeps drafting (one fewer) while the
-  recent drafted rounds' realised rate, priced by the model, is at least target-only's, and falls back to k = 0
-  (plain target decoding) otherwise, probing with a small draft now and then to notice when drafting pays again
-  (drafting_pays). Where the model's own best k is longer (cheap drafts), it drafts that. Unlike the heuristic it
-  knows what a draft token and a wider verify pass COST here: where drafting cannot pay even with every draft
-  accepted (a slow drafter, a verifier whose cost grows with every draft), it never starts: with the workers' costs
-  (the prior, fixed for the generation) that is decided before the first round (drafting_off, DraftingOff) and the
-  generation never drafts, never probes and leaves the drafter alone (coordinator/loop.py).
+  and bursty runs last longer than any average predicts) where a run can pay for its drafts (run_acceptance); after
+  a rejection it keeps drafting (one fewer) while the recent drafted rounds' realised rate, priced by the model, is
+  at least target-only's, and falls back to k = 0 (plain target decoding) otherwise, probing with a small draft now
+  and then to notice when drafting pays again, each probe that finds nothing doubling the wait for the next
+  (drafting_pays, failed_probes). Where the model's own best k is longer (cheap drafts), it drafts that. Unlike the
+  heuristic it knows what a draft token and a wider verify pass COST here: where drafting cannot pay even at
+  PLAUSIBLE_ACCEPTANCE (a slow drafter, a verifier whose cost grows with every draft), it never starts: with the
+  workers' costs (the prior, fixed for the generation) that is decided before the first round (drafting_off,
+  DraftingOff) and the generation never drafts, never probes and leaves the drafter alone (coordinator/loop.py).
+  Where drafting pays at PLAUSIBLE_ACCEPTANCE but not at the prior's, the first round drafts nothing and the first
+  probe measures this text's acceptance: exploring costs a round, not three rounds of long drafts.
 A fixed k (`DraftLength.fixed`) is the third, non-adaptive policy.
 
 Two more costs enter the model when the workers report theirs (the prior): the network round trip of each RPC (a
@@ -59,7 +62,16 @@ PROBE_EVERY = 8  # with k = 0 chosen, one round in this many drafts `minimum` to
 # Only costs measured from this generation's round timings can change; with the workers' costs (the prior) nothing a
 # probe measures could make drafting pay, so there is no probe at all (CostPolicy.next_k, DraftingOff).
 PROBE_RARELY = 64
+# A probe that finds drafting still not paying doubles the wait before the next one, up to this many rounds: over a
+# long generation on text the drafter does not follow (prose), probes cost a few rounds in all, not one in eight.
+PROBE_MAX_GAP = 128
 PRIOR_ACCEPTANCE = 0.7  # per-token acceptance assumed before any round has measured it
+# The per-token acceptance a draft model keeps up, at best, over a stretch of text (quoted input, boilerplate code).
+# Where the workers' costs say that even this acceptance cannot pay, drafting is off for the generation: full
+# acceptance is never seen for long, and a gain that needs it is smaller than what finding it out costs.
+PLAUSIBLE_ACCEPTANCE = 0.9
+# Run acceptance (after a fully accepted round) is estimated with this many pseudo-tokens at PLAUSIBLE_ACCEPTANCE.
+RUN_PRIOR_TOKENS = 4
 MIN_DRAFTED_ROUNDS = 3  # below this the cost model has too little data and the heuristic decides
 MIN_BET_ROUNDS = 3  # pipelined rounds measured before their verifies' slowdown counts
 GATE_WINDOW = 8  # recent drafted rounds whose realised rate says whether drafting pays (drafting_pays)
@@ -174,23 +186,30 @@ class CostEstimate:
     def best_k(self, maximum: int) -> int:
         return max(range(maximum + 1), key=self.tokens_per_s)
 
-    def could_pay(self, maximum: int) -> bool:
-        """Whether some k >= 1 would do at least as well as k = 0 if every draft were accepted."""
-        certain = replace(self, acceptance=1.0, survival=(), tail_acceptance=None)
-        return max(map(certain.tokens_per_s, range(1, maximum + 1)), default=0.0) >= certain.tokens_per_s(0)
+    def at_acceptance(self, acceptance: float) -> CostEstimate:
+        """The same costs with every draft accepted independently with probability `acceptance` (geometric E(k))."""
+        return replace(self, acceptance=acceptance, survival=(), tail_acceptance=None)
+
+    def could_pay(self, maximum: int, acceptance: float = 1.0) -> bool:
+        """Whether some k >= 1 would do at least as well as k = 0 at this per-token acceptance (default: if every
+        draft were accepted)."""
+        at = self.at_acceptance(acceptance)
+        return max(map(at.tokens_per_s, range(1, maximum + 1)), default=0.0) >= at.tokens_per_s(0)
 
     def drafting_off(self, maximum: int) -> DraftingOff | None:
-        """Why no draft length up to `maximum` pays even if every draft is accepted, with the numbers: for every
-        k >= 1, (k + 1) / T(k) < 1 / T(0) (T a round's seconds, round trips included); None where some k could pay."""
-        if self.could_pay(maximum):
+        """Why no draft length up to `maximum` pays even at PLAUSIBLE_ACCEPTANCE, with the numbers: for every k >= 1,
+        E(k) / T(k) < 1 / T(0) (T a round's seconds, round trips included); None where some k could pay."""
+        if self.could_pay(maximum, PLAUSIBLE_ACCEPTANCE):
             return None
-        certain = replace(self, acceptance=1.0, survival=(), tail_acceptance=None)
+        certain, plausible = self.at_acceptance(1.0), self.at_acceptance(PLAUSIBLE_ACCEPTANCE)
         best = max(range(1, maximum + 1), key=certain.tokens_per_s)
+        best_plausible = max(range(1, maximum + 1), key=plausible.tokens_per_s)
         shown = sorted({k for k in (1, 2, 4, 8, 16, maximum) if k <= maximum})
         return DraftingOff(target_step_s=self.round_s(0), draft_s_per_token=self.draft_s_per_token,
                            draft_round_trip_s=self.draft_round_trip_s,
                            verify_s=tuple((k, self.verify_round_trip_s + self.verify_s(k)) for k in shown),
-                           best_k=best, best_speedup=certain.tokens_per_s(best) / certain.tokens_per_s(0))
+                           best_k=best, best_speedup=certain.tokens_per_s(best) / certain.tokens_per_s(0),
+                           plausible_speedup=plausible.tokens_per_s(best_plausible) / plausible.tokens_per_s(0))
 
 
 @dataclass(frozen=True)
@@ -204,7 +223,8 @@ class DraftingOff:
     draft_round_trip_s: float  # a Propose call's network time, paid by every round that drafts
     verify_s: tuple[tuple[int, float], ...]  # (k, the verify round trip + v(k)) for a few k
     best_k: int  # the draft length that would come closest
-    best_speedup: float  # its tokens/s over target-only's, with every draft accepted (< 1)
+    best_speedup: float  # its tokens/s over target-only's, with every draft accepted
+    plausible_speedup: float = 0.0  # the best k's tokens/s over target-only's at PLAUSIBLE_ACCEPTANCE (< 1)
 
     def __str__(self) -> str:
         step = max(self.target_step_s, 1e-12)
@@ -212,7 +232,7 @@ class DraftingOff:
         propose = (f", Propose round trip {self.draft_round_trip_s / step:.2f}" if self.draft_round_trip_s else "")
         return (f"drafting off: no draft length pays (c={self.draft_s_per_token / step:.2f} of a target step, "
                 f"{verify}{propose}; best possible {self.best_speedup:.2f}x target-only, at k={self.best_k} with every "
-                f"draft accepted)")
+                f"draft accepted, {self.plausible_speedup:.2f}x at {PLAUSIBLE_ACCEPTANCE:.0%} acceptance)")
 
     def details(self) -> str:
         """The same in seconds, with the bound, for the log."""
@@ -220,7 +240,8 @@ class DraftingOff:
         return (f"c={self.draft_s_per_token:.4g} s per draft token, Propose round trip "
                 f"{self.draft_round_trip_s:.4g} s, v(0)={self.target_step_s:.4g} s, {verify} (verify round trips "
                 f"included); bound: the best (k+1)/(k*c + v(k) + round trips) over k >= 1, at k={self.best_k}, is "
-                f"{self.best_speedup:.3f} x 1/v(0)")
+                f"{self.best_speedup:.3f} x 1/v(0); the best E(k)/(k*c + v(k) + round trips) at "
+                f"{PLAUSIBLE_ACCEPTANCE:.0%} acceptance is {self.plausible_speedup:.3f} x 1/v(0)")
 
 
 def recent_drafted(rounds: Sequence[RoundRecord]) -> list[RoundRecord]:
@@ -252,6 +273,32 @@ def measured_survival(rounds: Sequence[RoundRecord]) -> tuple[float, ...]:
         reached *= 1.0 - sum(r.accepted == j - 1 for r in at_risk) / len(at_risk)
         survival.append(reached)
     return tuple(survival)
+
+
+def run_acceptance(rounds: Sequence[RoundRecord]) -> float:
+    """Per-token acceptance in the rounds that followed a fully accepted round (the drafter was following the text):
+    what a fully accepted round promises for the next one. Recent such rounds, with RUN_PRIOR_TOKENS pseudo-tokens at
+    PLAUSIBLE_ACCEPTANCE (bursty text: a run, once started, tends to go on)."""
+    after_full = [r for previous, r in zip(rounds[1:], rounds[2:])
+                  if previous.drafted and previous.accepted == previous.drafted and r.drafted][-WINDOW:]
+    successes = sum(r.accepted for r in after_full) + RUN_PRIOR_TOKENS * PLAUSIBLE_ACCEPTANCE
+    failures = sum(r.accepted < r.drafted for r in after_full) + RUN_PRIOR_TOKENS * (1 - PLAUSIBLE_ACCEPTANCE)
+    return successes / (successes + failures)
+
+
+def failed_probes(rounds: Sequence[RoundRecord]) -> int:
+    """Probes in a row, counted back from the last round, after which drafting stopped again at once: drafted rounds
+    alone between rounds without drafts. The policy waits twice as long before each further probe."""
+    drafted = [r.drafted > 0 for r in rounds[1:]]
+    count, i = 0, len(drafted) - 1
+    while i >= 0 and not drafted[i]:
+        i -= 1
+    while i >= 1 and drafted[i] and not drafted[i - 1]:
+        count += 1
+        i -= 1
+        while i >= 0 and not drafted[i]:
+            i -= 1
+    return count
 
 
 def measured_tail_acceptance(rounds: Sequence[RoundRecord]) -> float | None:
@@ -381,15 +428,15 @@ class CostPolicy:
         self.fallback = HeuristicPolicy(length)
 
     def first_k(self) -> int:
-        """With the workers' cost prior: 0 where drafting cannot pay even if every draft were accepted, else
-        `initial` or the longer draft the prior finds best. The prior's acceptance is a guess; whether drafting pays
-        at this generation's acceptance is for its rounds to show (drafting_pays)."""
+        """With the workers' cost prior: `initial`, or the longer draft the prior finds best, where drafting pays at
+        the prior's acceptance; else 0, and the first probe (next_k) measures this text's acceptance; 0 always where
+        drafting is off (drafting_off). The prior's acceptance is a guess; whether drafting pays at this generation's
+        acceptance is for its rounds to show (drafting_pays)."""
         prior = self._from_prior(())
         if prior is None:
             return self.length.initial
-        if not prior.could_pay(self.length.maximum):
-            return 0
-        return max(self.length.initial, prior.best_k(self.length.maximum))
+        best = prior.best_k(self.length.maximum)
+        return max(self.length.initial, best) if best else 0
 
     def drafting_off(self) -> DraftingOff | None:
         """With the workers' costs, why no draft length can pay even if every draft is accepted; None without them
@@ -425,7 +472,9 @@ class CostPolicy:
         minimum, maximum = self.length.minimum, self.length.maximum
         best = estimate.best_k(maximum)
         could_pay = estimate.could_pay(maximum)
-        if could_pay and drafting_pays(rounds, estimate):
+        if self.length.prior is not None and self.drafting_off() is not None:
+            return 0  # the workers' costs rule drafting out for the whole generation: no probe either
+        if could_pay and drafting_pays(rounds, estimate, maximum):
             # Follow the run as the heuristic does (+2 after a full acceptance, -1 after a rejection), or, once a few
             # rounds have measured acceptance, draft what the model finds best where that is longer (cheap drafts:
             # an n-gram drafter, a hidden pipelined bet).
@@ -437,23 +486,27 @@ class CostPolicy:
             # The workers' costs hold for the whole generation, and with them no k pays even at full acceptance:
             # nothing a probe could measure changes that, so do not probe (CostPolicy.drafting_off).
             return 0
-        # Drafting does not pay now; keep probing so a change (say, code after prose) is noticed.
+        # Drafting does not pay now; keep probing so a change (say, code after prose) is noticed, less often after
+        # each probe that found nothing.
         every = PROBE_EVERY if could_pay else PROBE_RARELY
-        probing = len(rounds) >= every and all(r.drafted == 0 for r in rounds[-(every - 1):])
+        gap = max(min(every * 2 ** failed_probes(rounds), PROBE_MAX_GAP), every)
+        probing = len(rounds) >= gap and all(r.drafted == 0 for r in rounds[-(gap - 1):])
         return minimum if probing else 0
 
 
-def drafting_pays(rounds: Sequence[RoundRecord], costs: CostEstimate) -> bool:
-    """Whether to keep drafting after the last round. After a fully accepted round, yes: the drafter is following
-    the text, and bursty acceptance makes the rest of such a run longer than any average predicts (the run lengths
-    of the real pair on code: 0, 20, 0, 9, 7, 0, 0, 14, 8 tokens). After a rejection, yes while the recent drafted
-    rounds' realised rate (the tokens they committed over what `costs` price them at) is at least target-only's; and
-    while too few rounds have drafted to tell. After a round without drafts, no (the caller probes)."""
+def drafting_pays(rounds: Sequence[RoundRecord], costs: CostEstimate, maximum: int = 16) -> bool:
+    """Whether to keep drafting after the last round. After a fully accepted round, yes where some k up to `maximum`
+    pays at the run acceptance (run_acceptance: the drafter is following the text, and bursty acceptance makes the
+    rest of such a run longer than any average predicts; the run lengths of the real pair on code: 0, 20, 0, 9, 7, 0,
+    0, 14, 8 tokens), but not where even a run cannot pay for its drafts (a slow drafter, a steep verify). After a
+    rejection, yes while the recent drafted rounds' realised rate (the tokens they committed over what `costs` price
+    them at) is at least target-only's; and while too few rounds have drafted to tell. After a round without drafts,
+    no (the caller probes)."""
     last = rounds[-1] if rounds else None
     if last is None or not last.drafted:
         return False
     if last.accepted == last.drafted:
-        return True
+        return costs.could_pay(maximum, run_acceptance(rounds))
     drafted = recent_drafted(rounds)[-GATE_WINDOW:]
     if len(drafted) < MIN_DRAFTED_ROUNDS:
         return True

@@ -29,7 +29,18 @@ def add_relative(rows: list[dict]) -> None:
         for mode, key, _title in ENGINE_BASELINES:
             engine = by_prompt.get((r["prompt_id"], mode))
             r[key] = round(r["tokens_per_s"] / engine["tokens_per_s"], 4) if engine else None
+            rate, engine_rate = decode_rate(r), decode_rate(engine) if engine else None
+            r[f"decode_{key}"] = round(rate / engine_rate, 4) if rate and engine_rate else None
         r["diverges_at"] = first_divergence(base["token_ids"], r["token_ids"]) if base else None
+
+
+def decode_rate(row: dict) -> float | None:
+    """Tokens per second after the first token (or the first round's tokens): the per-step rate, without the
+    prefill; None where the side does not time its first token."""
+    first_s, first_tokens = row.get("first_token_s"), row.get("first_tokens")
+    if first_s is None or first_tokens is None or row["new_tokens"] <= first_tokens:
+        return None
+    return (row["new_tokens"] - first_tokens) / max(row["elapsed_s"] - first_s, 1e-9)
 
 
 def summarize(rows: list[dict], modes: list[Mode], classes: list[str]) -> list[dict]:
@@ -51,6 +62,8 @@ def summarize(rows: list[dict], modes: list[Mode], classes: list[str]) -> list[d
             speedups = [r["speedup"] for r in sel if r["speedup"]]
             vs_hf = [r["speedup_vs_hf_target"] for r in sel if r["speedup_vs_hf_target"]]
             vs_engine = {key: [r[key] for r in sel if r.get(key)] for _mode, key, _title in ENGINE_BASELINES}
+            decode_vs = {f"decode_{key}": [r[f"decode_{key}"] for r in sel if r.get(f"decode_{key}")]
+                         for _mode, key, _title in ENGINE_BASELINES}
             div = [r["diverges_at"] for r in sel if r["diverges_at"] is not None]
             s = {
                 "class": cls, "mode": mode.name, "kind": mode.kind, "prompts": len(sel), "new_tokens": tokens,
@@ -58,6 +71,9 @@ def summarize(rows: list[dict], modes: list[Mode], classes: list[str]) -> list[d
                 "speedup": round(statistics.geometric_mean(speedups), 4) if speedups else None,
                 "speedup_vs_hf_target": round(statistics.geometric_mean(vs_hf), 4) if vs_hf else None,
                 **{key: round(statistics.geometric_mean(v), 4) if v else None for key, v in vs_engine.items()},
+                **{key: round(statistics.geometric_mean(v), 4) if v else None for key, v in decode_vs.items()},
+                "first_token_ms": (round(1000 * statistics.mean(r["first_token_s"] for r in sel), 1)
+                                   if all(r.get("first_token_s") is not None for r in sel) else None),
                 "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
                 "mean_accepted_length": round(tokens / rounds, 4) if rounds else None,
                 "rounds": rounds,

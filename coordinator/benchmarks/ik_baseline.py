@@ -53,13 +53,15 @@ class IkGreedyLoop:
             raise RuntimeError("llama_decode failed")
         return np.ctypeslib.as_array(self.api.llama_get_logits_ith(self.ctx, len(tokens) - 1), shape=(self.n_vocab,))
 
-    def generate(self, ids: list[int], max_new: int, eos: set[int]) -> tuple[list[int], float]:
+    def generate(self, ids: list[int], max_new: int, eos: set[int]) -> tuple[list[int], float, float]:
+        """(new tokens, seconds, seconds to the first token: the prefill in one pass, as a C API user runs it)."""
         self.lib.kv_cache_seq_rm(self.ctx, -1, -1, -1)  # every run pays its prefill
         started = time.perf_counter()
         new = [int(np.argmax(self._decode(list(ids), 0)))]
+        first = time.perf_counter() - started
         while new[-1] not in eos and len(new) < max_new:
             new.append(int(np.argmax(self._decode([new[-1]], len(ids) + len(new) - 1))))
-        return new, time.perf_counter() - started
+        return new, time.perf_counter() - started, first
 
     def verify_curve(self, prompt: list[int], repeats: int = 5) -> dict[str, float]:
         """v(n): the best time of one decode of n tokens after `prompt`, over the one-token time."""
@@ -106,13 +108,13 @@ def ik_runner(args, modes: list[Mode], prompts: list[dict], prompt_ids: dict,
         curve = loop.verify_curve(warm)
 
         def run(prompt: dict, mode: Mode) -> dict:
-            new, elapsed = loop.generate(prompt_ids[prompt["id"]], args.max_new_tokens, eos)
+            new, elapsed, first = loop.generate(prompt_ids[prompt["id"]], args.max_new_tokens, eos)
             return {
                 "prompt_id": prompt["id"], "class": prompt["class"], "mode": mode.name, "kind": mode.kind,
                 "new_tokens": len(new), "elapsed_s": round(elapsed, 4), "tokens_per_s": round(len(new) / elapsed, 3),
                 "rounds": len(new), "drafted_tokens": None, "accepted_tokens": None, "acceptance_rate": None,
                 "mean_accepted_length": 1.0, "finish_reason": "eos" if new and new[-1] in eos else "length",
-                "token_ids": new, "text": "",
+                "token_ids": new, "text": "", "first_token_s": round(first, 4), "first_tokens": 1,
             }
 
         info = {"ik": {"package": "ik-llama-cpp-python", "version": _version(), "gguf": str(path), "n_ctx": n_ctx,

@@ -72,6 +72,8 @@ def llamacpp_runner(args, modes: list[Mode], prompts: list[dict], prompt_ids: di
                 "mean_accepted_length": round(len(new) / len(passes), 4) if passes else None,
                 "finish_reason": "eos" if new and new[-1] in eos else "length",
                 "token_ids": new, "text": generate.llm.detokenize(new).decode("utf-8", errors="replace"),
+                "first_token_s": (round(generate.first_token_s, 4) if generate.first_token_s is not None else None),
+                "first_tokens": 1,
             }
 
         info = {"llamacpp": {"version": getattr(llama_cpp, "__version__", None), "gguf": str(path), "n_ctx": n_ctx,
@@ -100,11 +102,14 @@ def counted_generator(llm, eos: set[int]):
         evals.clear()
         llm.reset()  # no KV prefix reuse from the previous generation: every run pays its prefill
         new: list[int] = []
+        generate.first_token_s = None
         started = time.perf_counter()
         tokens = llm.generate(list(ids), top_k=1, top_p=1.0, min_p=0.0, typical_p=1.0, temp=0.0,
                               repeat_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0)
         try:
             for token in tokens:
+                if not new:
+                    generate.first_token_s = time.perf_counter() - started  # the prefill and the first token
                 new.append(int(token))
                 if new[-1] in eos or len(new) >= max_new:
                     break

@@ -84,6 +84,7 @@ def markdown(report: dict) -> str:
             f"{_f(s['mean_accepted_length'], '.2f')} | {_x(s.get('bound_speedup'))} | "
             f"{_x(s.get('cost_model_speedup'))} | "
             f"{_x(s['speedup'])} |")
+    lines += per_step_table(summary, engines)
     modes = [m for m in report["config"]["modes"] if m != BASELINE]
     lines += ["", "Speedup over specmesh target-only per prompt:", "",
               "| prompt | class | " + " | ".join(modes) + " |", "| --- | --- |" + " ---: |" * len(modes)]
@@ -92,6 +93,23 @@ def markdown(report: dict) -> str:
         cells = [_x(by[(p["id"], m)]["speedup"]) if (p["id"], m) in by else "–" for m in modes]
         lines.append(f"| {p['id']} | {p['class']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def per_step_table(summary: list[dict], engines: list[tuple[str, str]]) -> list[str]:
+    """Time to the first token and the rate after it, against each engine's own loop: a per-step overhead shows in
+    the second, a slower prefill only in the first. Empty for reports without first-token times (older JSON)."""
+    if not engines or not any(s.get("first_token_ms") is not None for s in summary):
+        return []
+    lines = ["", "After the first token (the decode rate, prefill left out) and time to the first token, against "
+             "each engine's own loop on the same prompts:", "",
+             "| class | mode | first token ms | " + "".join(f"decode {title} | " for _key, title in engines),
+             "| --- | --- | ---: |" + " ---: |" * len(engines)]
+    for s in summary:
+        if s.get("first_token_ms") is None:
+            continue
+        lines.append(f"| {s['class']} | {s['mode']} | {_f(s['first_token_ms'], '.0f')} | "
+                     + "".join(f"{_x(s.get(f'decode_{key}'))} | " for key, _title in engines))
+    return lines
 
 
 def header_notes(report: dict) -> list[str]:

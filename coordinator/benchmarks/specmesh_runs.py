@@ -25,6 +25,9 @@ def specmesh_row(result, prompt: dict, mode: Mode) -> dict:
         "rest_s": round(s["elapsed_s"] - s["draft_s"] - s["verify_s"], 4),
         "first_round": ({"drafted": result.rounds[0].drafted, "draft_s": round(result.rounds[0].draft_s, 4),
                          "verify_s": round(result.rounds[0].verify_s, 4)} if result.rounds else None),
+        # Time to the first round's tokens (prefill included) and how many it committed: the rest is the decode rate.
+        "first_token_s": (round(result.rounds[0].draft_s + result.rounds[0].verify_s, 4) if result.rounds else None),
+        "first_tokens": (result.rounds[0].accepted + 1) if result.rounds else None,
         "steady": {"rounds": len(steady), "drafted": sum(r.drafted for r in steady),
                    "accepted": sum(r.accepted for r in steady),
                    "draft_s": round(sum(r.draft_s for r in steady), 4),

@@ -152,9 +152,11 @@ def test_pipelined_round_time_hides_the_draft_when_the_bet_wins():
 
 def test_the_cost_policy_drafts_where_only_the_pipelined_bet_makes_it_pay():
     prior = CostEstimate(0.8, 0.55, 1.0, 0.3)  # a draft token plus its verify share cost 0.85 of a target pass
-    # Only near-certain acceptance would pay: both start drafting, and the rounds decide.
-    assert DraftLength(policy="cost", prior=prior).first() == DraftLength(policy="cost", prior=prior,
-                                                                           pipelined=True).first() == 4
+    # Only near-certain acceptance would pay unpipelined: it starts at k = 0 (a probe will measure this text's
+    # acceptance); the bet hides the drafting, so pipelined drafting pays at the prior's acceptance: it starts drafting.
+    assert DraftLength(policy="cost", prior=prior).drafting_off() is None, "at 90% acceptance k = 1 would pay"
+    assert DraftLength(policy="cost", prior=prior).first() == 0
+    assert DraftLength(policy="cost", prior=prior, pipelined=True).first() == 4
     rounds = [RoundRecord(0, 0, 0.0, 1.0), RoundRecord(4, 3, 2.2, 2.2), RoundRecord(3, 3, 1.65, 1.9),
               RoundRecord(5, 4, 2.75, 2.5)]
     # At 83% acceptance the drafts cost more than they are worth...
@@ -315,7 +317,8 @@ def test_the_prior_reads_the_verifiers_cost_curve():
 def test_the_cost_policy_follows_a_run_and_stops_where_drafting_does_not_pay():
     prior = CostEstimate(PRIOR_ACCEPTANCE, REAL_DRAFT_S, 0.47, 0.11, verify_curve=REAL_CURVE)
     policy = DraftLength(policy="cost", prior=prior)
-    assert policy.first() == DraftLength.initial, "drafting could pay: the rounds will tell"
+    assert policy.drafting_off() is None and policy.first() == 0, \
+        "drafting could pay at 90% acceptance, not at the prior's 70%: start target-only, a probe measures"
     poor = [RoundRecord(0, 0, 0.0, 0.5), *[RoundRecord(6, 1, 1.0, 1.0)] * MIN_DRAFTED_ROUNDS]
     assert not drafting_pays(poor, prior) and policy.next(6, poor) == 0
     # The same rounds followed by a fully accepted one: the drafter is following the text, keep drafting longer.
@@ -367,3 +370,55 @@ def test_the_cost_policy_keeps_up_with_the_heuristic_on_bursty_text_and_beats_it
     assert on_bursty[0] > 1.1 and on_bursty[0] >= 0.9 * on_bursty[1]
     on_poor = [simulated_speedup(p, run_lengths(poor), costs) for p in (cost, heuristic)]
     assert on_poor[0] >= 0.85 and on_poor[0] > on_poor[1]
+
+
+# ---- never slower by default: what a full round promises, probes that back off, a plausible ceiling ----
+
+def test_a_fully_accepted_round_keeps_drafting_only_where_a_run_can_pay():
+    """After a full acceptance the policy keeps drafting where the run acceptance (0.9 until rounds after full
+    acceptances measured it) pays for the drafts, not merely because the round was full."""
+    from coordinator.draft_length import run_acceptance
+    history = [RoundRecord(0, 0, 0.0, 1.0), RoundRecord(2, 0, 0.2, 1.2), RoundRecord(2, 2, 0.2, 1.2)]
+    assert run_acceptance(history) == pytest.approx(0.9)
+    cheap = CostEstimate(0.5, 0.05, 1.0, 0.05)
+    steep = CostEstimate(0.5, 0.5, 1.0, 0.5)  # pays only near full acceptance: 1.9 / 2.0 at 90%, k = 1
+    assert steep.could_pay(16) and not steep.could_pay(16, 0.9)
+    assert drafting_pays(history, cheap) and not drafting_pays(history, steep)
+    # Runs that broke off right after a full round: the run acceptance falls, and drafting stops even when cheap-ish.
+    broken = history + [RoundRecord(4, 0, 0.2, 1.2), RoundRecord(2, 2, 0.1, 1.1), RoundRecord(4, 0, 0.2, 1.2),
+                        RoundRecord(2, 2, 0.1, 1.1)]
+    assert run_acceptance(broken) == pytest.approx((0 + 3.6) / (2 + 4))
+    middling = CostEstimate(0.5, 0.35, 1.0, 0.3)  # k = 1: 1.9 / 1.65 at 90%, 1.6 / 1.65 at 60%
+    assert drafting_pays(history, middling) and not drafting_pays(broken, middling)
+
+
+def test_each_failed_probe_doubles_the_wait_for_the_next():
+    from coordinator.draft_length import PROBE_MAX_GAP, failed_probes
+    zero, probe = RoundRecord(0, 0, 0.0, 1.0), RoundRecord(1, 0, 0.1, 1.1)
+    assert failed_probes([zero, zero, zero]) == 0
+    assert failed_probes([zero, RoundRecord(4, 4, 0.1, 1.1), RoundRecord(4, 1, 0.1, 1.1), zero]) == 0, \
+        "drafting went on after its first round: not a failed probe"
+    assert failed_probes([zero, *[zero] * 7, probe, *[zero] * 15, probe, zero]) == 2
+    policy = DraftLength(policy="cost", minimum=1)
+    bad = rounds_from([(4, 0), (2, 1), (3, 0), (1, 0)] * 2, 0.05, 0.5, 0.1)
+    history, probes = list(bad), []
+    while len(history) < 600:
+        k = policy.next(0, history)
+        if k:
+            probes.append(len(history))
+        history.append(RoundRecord(k, 0, 0.05 * k, 0.5 + 0.1 * k))
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps[:4] == [2 * PROBE_EVERY, 4 * PROBE_EVERY, 8 * PROBE_EVERY, PROBE_MAX_GAP]
+    assert set(gaps[4:]) == {PROBE_MAX_GAP}
+
+
+def test_drafting_is_off_where_even_plausible_acceptance_cannot_pay():
+    """Pays a little at full acceptance, loses at 90%: off, and the reason says both."""
+    from coordinator.draft_length import PLAUSIBLE_ACCEPTANCE
+    marginal = CostEstimate(PRIOR_ACCEPTANCE, 0.5, 1.0, 0.42)  # k = 4: 5 / 4.68 with every draft accepted
+    assert marginal.could_pay(16) and not marginal.could_pay(16, PLAUSIBLE_ACCEPTANCE)
+    length = DraftLength(policy="cost", prior=marginal)
+    off = length.drafting_off()
+    assert off is not None and off.best_speedup > 1.0 > off.plausible_speedup
+    assert length.first() == 0 and all(length.next(0, [RoundRecord(0, 0, 0.0, 1.0)] * n) == 0 for n in range(1, 300))
+    assert "with every draft accepted" in str(off) and "at 90% acceptance" in str(off)

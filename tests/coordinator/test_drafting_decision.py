@@ -13,7 +13,7 @@ import pytest
 
 from coordinator.api import summarize
 from coordinator.cli import print_summary
-from coordinator.draft_length import PRIOR_ACCEPTANCE, PROBE_EVERY, CostEstimate, DraftLength
+from coordinator.draft_length import PRIOR_ACCEPTANCE, PROBE_EVERY, PROBE_MAX_GAP, CostEstimate, DraftLength
 from coordinator.fleet import WorkerPool
 from coordinator.loop import LoopConfig, LoopResult, speculative_decode
 from coordinator.polling import wait_until
@@ -133,15 +133,17 @@ def test_a_generation_that_drafts_opens_the_drafter_session_on_its_first_draft(f
 
 def test_poor_acceptance_probes_without_making_the_drafter_catch_up_a_backlog(fleets):
     """Drafting would pay, but the drafter's first draft is always wrong: k = 0 after a few rounds, then a probe now
-    and then. No probe sends the drafter more than MAX_DRAFTER_BACKLOG tokens to catch up on."""
+    and then, each failed probe doubling the wait for the next (PROBE_EVERY rounds, then 2x, 4x, ... up to
+    PROBE_MAX_GAP). No probe sends the drafter more than MAX_DRAFTER_BACKLOG tokens to catch up on."""
     verifiers, drafters, drafter_fleet = fleets(draft_error_at=0)
     result, _, faults, _ = generate(verifiers, drafters, DRAFTING_PAYS, 300)
 
     assert result.tokens == target_continuation(PROMPT, 300)
     drafted = [i for i, r in enumerate(result.rounds) if r.drafted]
     probes = [i for i in drafted if i > 0 and not result.rounds[i - 1].drafted]
-    assert len(probes) >= 10 and len(drafted) < len(result.rounds) / 4, "mostly k = 0, with probes"
-    assert all(b - a <= PROBE_EVERY for a, b in zip(probes, probes[1:]))
+    assert len(probes) >= 4 and len(drafted) < len(result.rounds) / 10, "mostly k = 0, with probes"
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps[0] == 2 * PROBE_EVERY and all(b == min(2 * a, PROBE_MAX_GAP) for a, b in zip(gaps, gaps[1:])), gaps
     first, *later = drafter_fleet[0].stub.contexts("Propose")
     assert (first.base_length, list(first.new_tokens)) == (0, PROMPT)
     assert later and max(len(c.new_tokens) for c in later) <= MAX_DRAFTER_BACKLOG

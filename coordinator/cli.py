@@ -6,7 +6,8 @@ import argparse
 import json
 import signal
 import sys
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from types import ModuleType
 
@@ -176,9 +177,9 @@ def start_failed(error: Exception) -> int:
 
 
 @contextmanager
-def connected(args: argparse.Namespace, progress: bool) -> Iterator:
-    """A Coordinator over the given workers, or over local worker subprocesses started for the duration."""
-    from coordinator.api import Coordinator
+def connected(args: argparse.Namespace, progress: bool, while_loading: Callable[[], None] | None = None) -> Iterator:
+    """A Coordinator over the given workers, or over local worker subprocesses started for the duration.
+    `while_loading`: the caller's own slow preparations, run while local workers load (or at once without any)."""
     from coordinator.local_workers import LocalWorkerSpec, local_workers
     need_drafter = args.draft_tokens != 0
     specs = []
@@ -190,8 +191,21 @@ def connected(args: argparse.Namespace, progress: bool) -> Iterator:
     metrics_port = serve_metrics(args.metrics_port, args.metrics_host)
     if metrics_port is not None:
         print(f"METRICS http://{args.metrics_host}:{metrics_port}/metrics", file=sys.stderr, flush=True)
+    # The coordinator's tokenizer (the target's: what the verifier serves) loads while the workers do.
+    tokenizer = TokenizerPreload(args.target_model) if specs and args.verifier is None else None
+
+    def prepare() -> None:
+        if tokenizer is not None:
+            tokenizer.start()
+        if while_loading is not None:
+            while_loading()
     with ExitStack() as stack:
-        addresses = stack.enter_context(local_workers(specs, progress=progress)) if specs else {}
+        if specs:
+            addresses = stack.enter_context(local_workers(specs, progress=progress, while_loading=prepare))
+        else:
+            addresses = {}
+            prepare()
+        from coordinator.api import Coordinator  # torch and transformers: seconds, spent while the workers load
         suffix_drafter = args.suffix_drafter
         if need_drafter and args.suffix and not suffix_drafter:  # model-free: reads the target's tokenizer only
             suffix_spec = LocalWorkerSpec("drafter", args.target_model, "cpu", "auto",
@@ -201,8 +215,38 @@ def connected(args: argparse.Namespace, progress: bool) -> Iterator:
             verifier=args.verifier or [addresses["verifier"]],
             drafter=(args.drafter or [addresses["drafter"]]) if need_drafter else None,
             suffix_drafter=suffix_drafter if need_drafter else None,
+            tokenizer=tokenizer.result() if tokenizer is not None else None,
             resilience=resilience_from(args), security=security_from(args), record=args.record,
             connect_timeout_s=args.connect_timeout, unreachable_timeout_s=args.unreachable_timeout))
+
+
+class TokenizerPreload:
+    """Loads a model's tokenizer on a thread (the import of transformers and the GGUF's vocabulary: seconds) while
+    the local workers load; result() is None where that failed, and the Coordinator then loads it and reports why."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self._tokenizer = None
+        self._thread = threading.Thread(target=self._load, name="tokenizer-preload", daemon=True)
+
+    def _load(self) -> None:
+        try:
+            from specmesh.runtime.tokenizer import load_tokenizer
+            self._tokenizer = load_tokenizer(self.model, progress=False)
+        except Exception:  # noqa: BLE001 - the Coordinator loads it again and says what failed
+            self._tokenizer = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def result(self):
+        if self._thread.is_alive() or self._thread.ident is not None:
+            self._thread.join()
+        return self._tokenizer
+
+
+class BadOptions(ValueError):
+    """Generation options that cannot work, found while the local workers were loading."""
 
 
 def generate(args: argparse.Namespace) -> int:
@@ -222,25 +266,37 @@ def generate(args: argparse.Namespace) -> int:
 def run_generation(args: argparse.Namespace, streamed: list[str]) -> int:
     """`coordinator generate`; every piece of text it prints (or would print, with --json) is appended to
     `streamed`."""
-    # Heavy imports (torch, transformers) only for the commands that need them.
-    from coordinator.api import GenerationFailed, GenerationOptions
     from coordinator.worker_client import WorkerError
     from specmesh.ops.logs import configure_logging
     try:
         configure_logging("coordinator", args.log_format, args.log_level)
-        options = GenerationOptions(max_new_tokens=args.max_new_tokens, draft_tokens=args.draft_tokens,
-                                    draft_policy=args.draft_policy, pipeline=args.pipeline,
-                                    temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                                    seed=args.seed, stop=tuple(args.stop), chat=not args.no_chat)
         check_arguments(args)
     except ValueError as e:
         print(f"coordinator: error: {shown(with_fix(e))}", file=sys.stderr)
         return 2
+    prepared: dict = {}
+
+    def prepare() -> None:
+        """While the local workers load: the heavy imports (torch, transformers) and the options' checks. Bad
+        options stop the workers at once."""
+        from coordinator.api import GenerationOptions
+        try:
+            prepared["options"] = GenerationOptions(
+                max_new_tokens=args.max_new_tokens, draft_tokens=args.draft_tokens, draft_policy=args.draft_policy,
+                pipeline=args.pipeline, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                seed=args.seed, stop=tuple(args.stop), chat=not args.no_chat)
+        except ValueError as e:
+            raise BadOptions(str(with_fix(e))) from None
     with ExitStack() as stack:
         try:
-            coordinator = stack.enter_context(connected(args, progress=not args.json))
+            coordinator = stack.enter_context(connected(args, progress=not args.json, while_loading=prepare))
+        except BadOptions as e:
+            print(f"coordinator: error: {shown(e)}", file=sys.stderr)
+            return 2
         except WorkerError as e:
             return start_failed(e)
+        from coordinator.api import GenerationFailed
+        options = prepared["options"]
 
         def emit(text: str) -> None:
             streamed.append(text)

@@ -59,23 +59,31 @@ class LocalWorker:
         # when its workers stop (a Ctrl-C'd `coordinator serve` drains its requests first).
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=self._log, stdin=subprocess.PIPE,
                                         env=env, process_group=0)
-        self.address = self._read_address(timeout_s=300.0)  # alive but slow (a loaded machine): keep waiting
+        # The address is read as the worker prints it (after its imports, seconds): workers started one after the
+        # other load side by side, and the first use of `address` waits for it.
+        self._found: list[str] = []
+        self._address: str | None = None
+        threading.Thread(target=self._read_stdout, daemon=True).start()
+
+    def _read_stdout(self) -> None:
+        for raw in self.process.stdout:
+            line = raw.decode(errors="replace").strip()
+            if line.startswith("LISTENING ") and not self._found:
+                self._found.append(line.split(" ", 1)[1])
+            # keep draining stdout so the worker never blocks on a full pipe
+
+    @property
+    def address(self) -> str:
+        if self._address is None:
+            self._address = self._read_address(timeout_s=300.0)  # alive but slow (a loaded machine): keep waiting
+        return self._address
 
     def _read_address(self, timeout_s: float) -> str:
-        found: list[str] = []
-
-        def read() -> None:
-            for raw in self.process.stdout:
-                line = raw.decode(errors="replace").strip()
-                if line.startswith("LISTENING ") and not found:
-                    found.append(line.split(" ", 1)[1])
-                    # keep draining stdout so the worker never blocks on a full pipe
-        threading.Thread(target=read, daemon=True).start()
-        wait_until(lambda: found or self.process.poll() is not None, timeout_s)
-        if not found:
+        wait_until(lambda: self._found or self.process.poll() is not None, timeout_s)
+        if not self._found:
             self.stop()
             raise WorkerError(f"{self.spec.role} did not start; its log:\n{self.log_tail()}")
-        return found[0]
+        return self._found[0]
 
     def log_tail(self, lines: int = 20) -> str:
         try:
@@ -127,12 +135,15 @@ class LocalWorker:
 
 @contextmanager
 def local_workers(specs: list[LocalWorkerSpec], progress: bool = True, load_timeout_s: float = 1800.0,
-                  one_at_a_time: bool = False) -> Iterator[dict[str, str]]:
+                  one_at_a_time: bool = False,
+                  while_loading: Callable[[], None] | None = None) -> Iterator[dict[str, str]]:
     """Start one subprocess per spec, wait until every one reports SERVING, yield {role: address}; stop them after.
 
     `one_at_a_time`: start each worker only once the previous one is SERVING. Slower to start, but each worker's
     warm-up cost probe (the cost policy's prior) then runs on a quiet machine instead of beside a neighbour that is
-    still loading its model, which made drafting look unprofitable (benchmarks use it)."""
+    still loading its model, which made drafting look unprofitable (benchmarks use it).
+    `while_loading`: called once the workers are started, before waiting for them (the caller's own slow imports and
+    checks, done while the workers load; what it raises stops them)."""
     with ExitStack() as stack:
         log_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="specmesh-"))
         workers = []
@@ -145,6 +156,8 @@ def local_workers(specs: list[LocalWorkerSpec], progress: bool = True, load_time
         # One at a time: a generator, so each worker starts only when the loop below has waited for the previous one.
         to_wait = (start(spec) for spec in specs) if one_at_a_time else [start(spec) for spec in specs]
         started = time.monotonic()
+        if while_loading is not None:
+            while_loading()
         # A spinner only on a terminal: piped to a file or `tail`, its carriage-return frames would be hundreds of lines.
         spinner = progress and sys.stderr.isatty()
         for worker in to_wait:

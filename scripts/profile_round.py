@@ -4,6 +4,8 @@ Each layer adds one thing to the one below, measured in the same process run on 
 --steps one-token steps after a warm-up):
 
     engine      the model engine's forward for one new token (specmesh/runtime), logits copied out
+    ik loop     (ik engine) ik_llama.cpp's own one-token loop on the C API, as the bench's ik-target runs it, and the
+                prompt's prefill each way: the engine's passes of at most 31 tokens against the loop's one pass
     verifier    + VerifyEngine: session sync, history hashing, batching queue, model-thread hand-off, accept/reject
     grpc        + protobuf and gRPC to a verifier subprocess on loopback (the server's threads, the client's stub)
     coordinator + the coordinator's loop: retries, breakers, fleet, incremental detokenisation (a full generation)
@@ -61,6 +63,8 @@ def profile_in_process(args, prompt: list[int]) -> dict:
         tokens.append(int(sequence.logits_for(tokens, 1)[0].argmax()))
 
     results = {"engine": median_ms(timed_steps(engine_step, args.steps))}
+    if getattr(engine, "engine", "") == "ik":
+        results.update(ik_loop_ms(engine, prompt, args.steps))
     verifier, history = VerifyEngine(engine), TokenHistory()
 
     def verifier_step() -> None:
@@ -89,6 +93,31 @@ def profile_in_process(args, prompt: list[int]) -> dict:
     if close is not None:
         close()
     return results
+
+
+def ik_loop_ms(engine, prompt: list[int], steps: int) -> dict:
+    """ik_llama.cpp's own loop (the bench's ik-target: the C API on a context of its own, the prompt in one pass)
+    beside the engine's: a step each, and the prefill of the prompt each way (the engine's passes of at most 31
+    tokens, bit-identical to one-token decoding, against the loop's one pass)."""
+    from coordinator.benchmarks.ik_baseline import IkGreedyLoop
+
+    loop = IkGreedyLoop(engine.path, len(prompt) + steps + 64, engine.threads)
+    try:
+        loop.generate(prompt, 4, set())  # warm-up
+        prefills, engine_prefills, step_ms = [], [], []
+        for _ in range(3):
+            new, elapsed, first = loop.generate(prompt, steps + 1, set())
+            prefills.append(first)
+            step_ms.append((elapsed - first) / steps)
+            sequence = engine.new_sequence()
+            started = time.perf_counter()
+            sequence.logits_for(list(prompt), 1)
+            engine_prefills.append(time.perf_counter() - started)
+            sequence.rollback(0)
+        return {"ik loop (C API)": median_ms(step_ms), f"prefill {len(prompt)} tok: engine": median_ms(engine_prefills),
+                f"prefill {len(prompt)} tok: ik loop": median_ms(prefills)}
+    finally:
+        loop.close()
 
 
 def hf_per_token_ms(model, prompt: list[int], steps: int) -> float:

@@ -17,11 +17,14 @@ their row's first fresh token, so no attention row is fully masked (which would 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import DynamicCache
 
 from specmesh.runtime.kv_cache import CachedSequence
+
+if TYPE_CHECKING:
+    from transformers import DynamicCache
 
 # Batched rows get logits for every fresh column (the rows' wanted positions differ), so a row that brings a long
 # prompt would make a [B, N_max, vocab] tensor; such rows (a prefill) are computed on their own instead.
@@ -95,6 +98,8 @@ def batched_logits(model: torch.nn.Module, sequences: Sequence[CachedSequence], 
 
 def _padded_cache(model: torch.nn.Module, sequences: Sequence[CachedSequence], l_max: int) -> DynamicCache:
     """A batch cache holding each sequence's keys/values right-aligned in `l_max` columns (zeros to the left)."""
+    from transformers import DynamicCache
+
     cache = DynamicCache(config=model.config)
     if l_max == 0:
         return cache
@@ -115,6 +120,8 @@ def _padded_cache(model: torch.nn.Module, sequences: Sequence[CachedSequence], l
 def _store_row(model: torch.nn.Module, sequence: CachedSequence, batch_cache: DynamicCache, row: int, start: int,
                stop: int) -> None:
     """Give `sequence` its own copy of columns [start, stop) of `row` (a copy, so the batch tensors can be freed)."""
+    from transformers import DynamicCache
+
     own = DynamicCache(config=model.config)
     for index, layer in enumerate(batch_cache.layers):
         own.update(layer.keys[row:row + 1, :, start:stop].clone(), layer.values[row:row + 1, :, start:stop].clone(),

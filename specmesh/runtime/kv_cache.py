@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from transformers import DynamicCache
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
@@ -32,6 +31,8 @@ class CachedSequence:
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
+        from transformers import DynamicCache
+
         self.model = model
         self.cache = DynamicCache(config=model.config)
         self.cached_tokens: list[int] = []

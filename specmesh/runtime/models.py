@@ -28,9 +28,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
-import transformers
-from transformers import AutoTokenizer
 
+# transformers is imported only where it is used, here and in the modules a worker imports (tokenizer.py, kv_cache.py,
+# batched_forward.py): a worker on a GGUF engine (ik, llamacpp) never needs it, and importing it would cost over a
+# second of the worker's start.
 if TYPE_CHECKING:  # the modeling classes import slowly (~2 s): a client that loads only a tokenizer never pays for them
     from transformers import PreTrainedModel
 
@@ -222,6 +223,8 @@ def convert_gguf(gguf: Path, out: Path, progress: bool) -> None:
     float32 (not the requested dtype) so fp32 and fp64 runs stay exact and one
     cache serves every dtype.
     """
+    import transformers
+
     out.parent.mkdir(parents=True, exist_ok=True)
     with catalog.file_lock(out.parent / f".{out.name}.lock"):
         if is_converted(out):  # another process converted it while we waited
@@ -232,7 +235,7 @@ def convert_gguf(gguf: Path, out: Path, progress: bool) -> None:
         tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
         try:
             os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; the cache is ordinary data
-            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
             # dequantize=True: always a plain dense model.  Otherwise, where a GGUF
             # matmul kernel is available, transformers keeps GGUF blocks and the
             # model cannot be saved (save_pretrained refuses "quantized" models).
@@ -308,6 +311,8 @@ def load_model(
 
     `linear_backend`: "auto" packs the linear layers for oneDNN on CPU where it supports the dtype (much cheaper
     multi-token passes, see specmesh/runtime/onednn.py), "onednn" insists on it, "torch" keeps torch's kernels."""
+    import transformers
+
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     packed = onednn.use_onednn(linear_backend, dev, dt)  # validates the choice before the (slow) load
@@ -332,7 +337,7 @@ def load_model(
                     convert_gguf(gguf, src, progress)
             else:
                 src = spec  # local HF dir or hub id
-            tokenizer = AutoTokenizer.from_pretrained(src)
+            tokenizer = transformers.AutoTokenizer.from_pretrained(src)
             model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=dt)
 
     model = model.to(device=dev, dtype=dt)

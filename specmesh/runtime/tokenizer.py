@@ -11,8 +11,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-from transformers import AutoConfig, AutoTokenizer
-
 from specmesh.runtime import catalog
 from specmesh.runtime import models
 
@@ -25,6 +23,8 @@ def tokenizer_dir(label: str, key: str) -> Path:
 def _convert_tokenizer(gguf: Path, out: Path, progress: bool) -> None:
     """Parse the GGUF's tokenizer once (about 20 s for a 150k vocabulary) and save it in seconds-to-load form, with
     the model's config.json (vocabulary width, eos, context length: what an n-gram drafter reports)."""
+    from transformers import AutoConfig, AutoTokenizer
+
     out.parent.mkdir(parents=True, exist_ok=True)
     with catalog.file_lock(out.parent / f".{out.name}.lock"):
         if (out / "tokenizer_config.json").is_file():
@@ -46,6 +46,8 @@ def _convert_tokenizer(gguf: Path, out: Path, progress: bool) -> None:
 
 
 def load_tokenizer(spec: str, progress: bool = True):
+    from transformers import AutoTokenizer
+
     if models.is_tiny_preset(spec):
         return models.tiny_tokenizer(models.TINY_PRESETS[spec])
     if spec in catalog.CATALOG:

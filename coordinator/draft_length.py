@@ -439,8 +439,13 @@ class CostPolicy:
         return max(self.length.initial, best) if best else 0
 
     def drafting_off(self) -> DraftingOff | None:
-        """With the workers' costs, why no draft length can pay even if every draft is accepted; None without them
+        """With the workers' costs, why no draft length can pay even at PLAUSIBLE_ACCEPTANCE; None without them
         (round timings could show otherwise) or where some k could pay."""
+        return self._drafting_off
+
+    @cached_property
+    def _drafting_off(self) -> DraftingOff | None:
+        # The prior is fixed for the generation: decided once, not again in every round's next_k.
         prior = self._from_prior(())
         return None if prior is None else prior.drafting_off(self.length.maximum)
 

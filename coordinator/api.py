@@ -16,7 +16,7 @@ import math
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 
@@ -39,6 +39,9 @@ from specmesh.decoding.sampling import SamplingParams
 from specmesh.wire.security import ClientSecurity, load_token
 from specmesh.wire.validation import MAX_SEED
 
+
+# How long a measured drafting slowdown stands for later generations: the machine's load changes.
+LEARNED_TTL_S = 600.0
 
 log = logging.getLogger("specmesh.coordinator")
 
@@ -206,6 +209,10 @@ class Coordinator:
         self.round_trip_s = {"verifier": round_trip_s(self.verifiers),
                              **({"drafter": round_trip_s(self.drafters)} if self.drafters else {})}
         self.cost_prior = cost_prior(self.verifier_info, self.drafter_info, self.round_trip_s)
+        # (slowdown, when measured): how much slower than the workers' costs a recent greedy generation's drafted
+        # rounds ran. The next greedy generations start from it, so a slowdown that rules drafting out costs the
+        # probes of one generation, not of every one.
+        self.learned_slowdown: tuple[float, float] | None = None
         # Hybrid drafting: the policy works with the suffix drafter's costs (its drafts come first); the draft model
         # joins only where its own costs say some draft length can pay even with every draft accepted.
         self.model_draft_off, self.model_costs = None, self.cost_prior
@@ -335,6 +342,7 @@ class Coordinator:
             target.end()
             if drafter is not None:
                 drafter.end()
+        self._learn_slowdown(config.draft_length, loop)
         text = stream.finish()
         stats = summarize(loop, time.perf_counter() - started, seed, faults, self.engines)
         if isinstance(drafter, HybridDraftSource):  # which drafter drafted how many rounds
@@ -384,8 +392,17 @@ class Coordinator:
             return DraftLength.fixed(k)
         # Pipelining asks the drafter for one token more than the round drafts (the bet's bonus-token guess).
         maximum = max(1, min(DraftLength.maximum, self.draft_limit - (1 if options.pipeline else 0)))
+        prior, timed = self.cost_prior, options.sampling.is_greedy
+        learned = self.learned_slowdown
+        if prior is not None and timed and learned is not None and time.monotonic() - learned[1] < LEARNED_TTL_S:
+            prior = replace(prior, drafting_slowdown=learned[0])
         return DraftLength(initial=min(DraftLength.initial, maximum), maximum=maximum, policy=options.draft_policy,
-                           prior=self.cost_prior, pipelined=options.pipeline)
+                           prior=prior, pipelined=options.pipeline, timed=timed)
+
+    def _learn_slowdown(self, length: DraftLength, loop: LoopResult) -> None:
+        slowdown = length.measured_slowdown(loop.rounds)
+        if slowdown is not None:
+            self.learned_slowdown = (slowdown, time.monotonic())
 
     def token_budget(self, prompt_tokens: int, max_new_tokens: int) -> int:
         """max_new_tokens, cut to what the verifier's context holds after the prompt (finish reason "length")."""
@@ -417,7 +434,9 @@ def cost_prior(verifier_info, drafter_info, round_trips: dict[str, float] | None
     return CostEstimate(PRIOR_ACCEPTANCE, max(drafter_info.draft_per_token_s, 0.0), verifier_info.verify_base_s,
                         max(verifier_info.verify_per_draft_s, 0.0), draft_round_trip_s=whole_ms.get("drafter", 0.0),
                         verify_round_trip_s=whole_ms.get("verifier", 0.0),
-                        verify_curve=curve if curve and curve[0][0] == 0 else ())
+                        verify_curve=curve if curve and curve[0][0] == 0 else (),
+                        # Target-only generations stream (Decode): the round trip is paid once, not per token.
+                        target_streams=True)
 
 
 def round_trip_s(pool: WorkerPool, probes: int = 5) -> float:

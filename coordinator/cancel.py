@@ -8,6 +8,8 @@ raise GenerationCancelled, so the generation ends its sessions (EndSession) and 
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import grpc
 
@@ -51,22 +53,29 @@ class CancelToken:
         """A retry backoff that a cancel cuts short (the next attempt then raises)."""
         self._event.wait(seconds)
 
+    @contextmanager
+    def tracking(self, call) -> Iterator[None]:
+        """Cancel `call` (a gRPC future or response stream) at once if the token is cancelled while the block runs."""
+        with self._lock:
+            self._calls.add(call)
+        if self._event.is_set():  # cancelled before registration
+            call.cancel()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._calls.discard(call)
+
     def call(self, method, request, timeout: float):
         """`method(request, timeout=timeout)` (a gRPC unary-unary callable), cancelled at once if the token is."""
         self.check()
         future = method.future(request, timeout=timeout)
-        with self._lock:
-            self._calls.add(future)
-        if self._event.is_set():  # cancelled between check() and registration
-            future.cancel()
         try:
-            return future.result()
+            with self.tracking(future):
+                return future.result()
         except grpc.FutureCancelledError:
             raise GenerationCancelled(self.reason) from None
         except grpc.RpcError as e:
             if self._event.is_set() and e.code() == grpc.StatusCode.CANCELLED:
                 raise GenerationCancelled(self.reason) from None
             raise
-        finally:
-            with self._lock:
-                self._calls.discard(future)

@@ -116,6 +116,11 @@ class CostEstimate:
     # row runs a matrix-vector kernel, two or more a matrix-matrix one: 1.5B float32 here, 0.47 s for 0 drafts,
     # 0.78 s for 1, 0.92 s for 4, 1.32 s for 16); a line through 0 and 4 drafts would price 16 at 2.3 s.
     verify_curve: tuple[tuple[int, float], ...] = ()
+    # A generation that never drafts is one Decode stream (coordinator/loop.py): a token costs v(0), no round trip.
+    target_streams: bool = False
+    # How much longer a round with drafts takes than these costs say (measured_drafting_slowdown): drafter and
+    # verifier on shared cores, contexts longer than the workers' warm-up probes.
+    drafting_slowdown: float = 1.0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.acceptance <= 1.0 or (self.bet_hit is not None and not 0.0 <= self.bet_hit <= 1.0):
@@ -125,6 +130,8 @@ class CostEstimate:
             raise ValueError(f"costs must be >= 0: {self}")
         if self.bet_slowdown < 1.0:
             raise ValueError(f"bet_slowdown must be >= 1: {self}")
+        if not self.drafting_slowdown > 0:
+            raise ValueError(f"drafting_slowdown must be > 0: {self}")
         if self.tail_acceptance is not None and not 0.0 <= self.tail_acceptance <= 1.0:
             raise ValueError(f"tail_acceptance must be a probability: {self}")
         if any(not 0.0 <= p <= 1.0 for p in self.survival) or list(self.survival) != sorted(self.survival,
@@ -178,10 +185,12 @@ class CostEstimate:
 
     def round_s(self, k: int) -> float:
         """Expected seconds of a round with k drafts (see the module's docstring for the pipelined case)."""
-        return self._betting_round_s(k) if self.bet_pays(k) else sum(self._verify_and_draft_s(k))
+        seconds = self._betting_round_s(k) if self.bet_pays(k) else sum(self._verify_and_draft_s(k))
+        return seconds * self.drafting_slowdown if k else seconds
 
     def tokens_per_s(self, k: int) -> float:
-        return self.expected_tokens(k) / max(self.round_s(k), 1e-9)
+        """Expected tokens per second drafting k per round; k = 0 is target-only decoding (target_only_s)."""
+        return self.expected_tokens(k) / max(self.round_s(k) if k else self.target_only_s(), 1e-9)
 
     def best_k(self, maximum: int) -> int:
         return max(range(maximum + 1), key=self.tokens_per_s)
@@ -191,25 +200,33 @@ class CostEstimate:
         return replace(self, acceptance=acceptance, survival=(), tail_acceptance=None)
 
     def could_pay(self, maximum: int, acceptance: float = 1.0) -> bool:
-        """Whether some k >= 1 would do at least as well as k = 0 at this per-token acceptance (default: if every
-        draft were accepted)."""
+        """Whether some k >= 1 would do at least as well as target-only decoding at this per-token acceptance
+        (default: if every draft were accepted)."""
         at = self.at_acceptance(acceptance)
         return max(map(at.tokens_per_s, range(1, maximum + 1)), default=0.0) >= at.tokens_per_s(0)
 
+    def target_only_s(self) -> float:
+        """Seconds per token without drafts: streamed (the loop streams every stretch without drafts), v(0); else a
+        round with k = 0, its round trip included."""
+        return self.verify_s(0) if self.target_streams else self.round_s(0)
+
     def drafting_off(self, maximum: int) -> DraftingOff | None:
         """Why no draft length up to `maximum` pays even at PLAUSIBLE_ACCEPTANCE, with the numbers: for every k >= 1,
-        E(k) / T(k) < 1 / T(0) (T a round's seconds, round trips included); None where some k could pay."""
+        E(k) / T(k) < 1 / T0 (T a round's seconds, round trips included; T0 a target-only token's, target_only_s);
+        None where some k could pay."""
+        step = self.target_only_s()
         if self.could_pay(maximum, PLAUSIBLE_ACCEPTANCE):
             return None
         certain, plausible = self.at_acceptance(1.0), self.at_acceptance(PLAUSIBLE_ACCEPTANCE)
         best = max(range(1, maximum + 1), key=certain.tokens_per_s)
         best_plausible = max(range(1, maximum + 1), key=plausible.tokens_per_s)
         shown = sorted({k for k in (1, 2, 4, 8, 16, maximum) if k <= maximum})
-        return DraftingOff(target_step_s=self.round_s(0), draft_s_per_token=self.draft_s_per_token,
+        return DraftingOff(target_step_s=step, draft_s_per_token=self.draft_s_per_token,
                            draft_round_trip_s=self.draft_round_trip_s,
                            verify_s=tuple((k, self.verify_round_trip_s + self.verify_s(k)) for k in shown),
-                           best_k=best, best_speedup=certain.tokens_per_s(best) / certain.tokens_per_s(0),
-                           plausible_speedup=plausible.tokens_per_s(best_plausible) / plausible.tokens_per_s(0))
+                           best_k=best, best_speedup=certain.tokens_per_s(best) * step,
+                           plausible_speedup=plausible.tokens_per_s(best_plausible) * step,
+                           drafting_slowdown=self.drafting_slowdown)
 
 
 @dataclass(frozen=True)
@@ -218,13 +235,14 @@ class DraftingOff:
     costs no draft length pays even if every draft is accepted. Seconds here; str() says it in target steps (a
     target-only round, round trip included), as the summary line and the stats show it."""
 
-    target_step_s: float  # a round without drafts: the verify round trip + v(0)
+    target_step_s: float  # a token of target-only decoding: v(0), plus the verify round trip unless streamed
     draft_s_per_token: float  # c
     draft_round_trip_s: float  # a Propose call's network time, paid by every round that drafts
     verify_s: tuple[tuple[int, float], ...]  # (k, the verify round trip + v(k)) for a few k
     best_k: int  # the draft length that would come closest
     best_speedup: float  # its tokens/s over target-only's, with every draft accepted
     plausible_speedup: float = 0.0  # the best k's tokens/s over target-only's at PLAUSIBLE_ACCEPTANCE (< 1)
+    drafting_slowdown: float = 1.0  # drafted rounds measured this much slower than the workers' costs say
 
     def __str__(self) -> str:
         step = max(self.target_step_s, 1e-12)
@@ -232,16 +250,19 @@ class DraftingOff:
         propose = (f", Propose round trip {self.draft_round_trip_s / step:.2f}" if self.draft_round_trip_s else "")
         return (f"drafting off: no draft length pays (c={self.draft_s_per_token / step:.2f} of a target step, "
                 f"{verify}{propose}; best possible {self.best_speedup:.2f}x target-only, at k={self.best_k} with every "
-                f"draft accepted, {self.plausible_speedup:.2f}x at {PLAUSIBLE_ACCEPTANCE:.0%} acceptance)")
+                f"draft accepted, {self.plausible_speedup:.2f}x at {PLAUSIBLE_ACCEPTANCE:.0%} acceptance"
+                + (f"; drafted rounds measured {self.drafting_slowdown:.2f}x slower than the workers' costs"
+                   if self.drafting_slowdown != 1.0 else "") + ")")
 
     def details(self) -> str:
         """The same in seconds, with the bound, for the log."""
         verify = ", ".join(f"v({k})={s:.4g} s" for k, s in self.verify_s)
         return (f"c={self.draft_s_per_token:.4g} s per draft token, Propose round trip "
-                f"{self.draft_round_trip_s:.4g} s, v(0)={self.target_step_s:.4g} s, {verify} (verify round trips "
-                f"included); bound: the best (k+1)/(k*c + v(k) + round trips) over k >= 1, at k={self.best_k}, is "
-                f"{self.best_speedup:.3f} x 1/v(0); the best E(k)/(k*c + v(k) + round trips) at "
-                f"{PLAUSIBLE_ACCEPTANCE:.0%} acceptance is {self.plausible_speedup:.3f} x 1/v(0)")
+                f"{self.draft_round_trip_s:.4g} s, target-only {self.target_step_s:.4g} s per token, {verify} "
+                f"(verify round trips included); bound: the best (k+1)/(k*c + v(k) + round trips) over k >= 1, at "
+                f"k={self.best_k}, is {self.best_speedup:.3f} x target-only's rate; the best "
+                f"E(k)/(k*c + v(k) + round trips) at {PLAUSIBLE_ACCEPTANCE:.0%} acceptance is "
+                f"{self.plausible_speedup:.3f} x target-only's rate")
 
 
 def recent_drafted(rounds: Sequence[RoundRecord]) -> list[RoundRecord]:
@@ -331,6 +352,24 @@ def measured_bet_slowdown(rounds: Sequence[RoundRecord], costs: CostEstimate) ->
         return 1.0
     plain = [r for r in rounds[1:] if r.bet_won is None][-WINDOW:]
     return max(1.0, ratio(betting) / (ratio(plain) if plain else 1.0))
+
+
+def measured_drafting_slowdown(rounds: Sequence[RoundRecord], costs: CostEstimate) -> float:
+    """How much longer this generation's drafted rounds took than `costs` price them, over the same ratio for its
+    rounds without drafts (which share whatever the context length does to both), within [1/2, 4]; 1 until
+    MIN_DRAFTED_ROUNDS rounds drafted. The workers measure their costs each alone, on a short context; in a
+    generation the drafter and the verifier may share cores (the real pair on 2 cores: c 0.45 target steps at
+    warm-up, 0.54 to 0.65 in the rounds, and every verify slower)."""
+    drafted = recent_drafted(rounds)
+    if len(drafted) < MIN_DRAFTED_ROUNDS:
+        return 1.0
+
+    def ratio(selected: list[RoundRecord]) -> float:
+        predicted = sum(costs.round_s(r.drafted) for r in selected)
+        return sum(r.draft_s + r.verify_s for r in selected) / predicted if predicted > 0 else 1.0
+    plain = [r for r in rounds[1:] if not r.drafted][-WINDOW:]
+    baseline = ratio(plain) if len(plain) >= MIN_DRAFTED_ROUNDS else 1.0
+    return min(max(ratio(drafted) / max(baseline, 1e-9), 0.5), 4.0)
 
 
 def estimate_costs(rounds: Sequence[RoundRecord]) -> CostEstimate | None:
@@ -458,9 +497,20 @@ class CostPolicy:
         acceptance = measured_acceptance(rounds)
         prior = replace(self.length.prior, pipelined=self.length.pipelined, bet_hit=measured_bet_hit(rounds),
                         bet_slowdown=measured_bet_slowdown(rounds, self.length.prior))
+        if self.length.timed:  # on top of what earlier generations measured (the prior may already hold it)
+            prior = replace(prior, drafting_slowdown=prior.drafting_slowdown
+                            * measured_drafting_slowdown(rounds, prior))
         return prior if acceptance is None else replace(prior, acceptance=acceptance,
                                                         survival=measured_survival(rounds),
                                                         tail_acceptance=measured_tail_acceptance(rounds))
+
+    def drafting_slowdown(self, rounds: Sequence[RoundRecord]) -> float | None:
+        """The prior's drafting_slowdown as corrected by `rounds` (timed policies with a prior, once they have
+        measured it); None otherwise."""
+        if not self.length.timed or len(recent_drafted(rounds)) < MIN_DRAFTED_ROUNDS:
+            return None
+        estimate = self._from_prior(rounds)
+        return None if estimate is None else estimate.drafting_slowdown
 
     def bet_pays(self, k: int, rounds: Sequence[RoundRecord]) -> bool:
         """The cost model's answer with the workers' costs; without them (round timings only) always bet."""
@@ -487,9 +537,9 @@ class CostPolicy:
             return max(best if measured else 0, self.fallback.next_k(k, rounds))
         if best >= minimum:
             return best
-        if not could_pay and self.length.prior is not None:
-            # The workers' costs hold for the whole generation, and with them no k pays even at full acceptance:
-            # nothing a probe could measure changes that, so do not probe (CostPolicy.drafting_off).
+        if self.length.prior is not None and not estimate.could_pay(maximum, PLAUSIBLE_ACCEPTANCE):
+            # The workers' costs (timed: as this generation's rounds corrected them) hold for the rest of it, and
+            # with them no k pays even at PLAUSIBLE_ACCEPTANCE: a probe would cost a round and find nothing to win.
             return 0
         # Drafting does not pay now; keep probing so a change (say, code after prose) is noticed, less often after
         # each probe that found nothing.
@@ -516,7 +566,7 @@ def drafting_pays(rounds: Sequence[RoundRecord], costs: CostEstimate, maximum: i
     if len(drafted) < MIN_DRAFTED_ROUNDS:
         return True
     realised = sum(r.accepted + 1 for r in drafted) / max(sum(costs.round_s(r.drafted) for r in drafted), 1e-9)
-    return realised >= costs.tokens_per_s(0)
+    return realised >= costs.tokens_per_s(0)  # target-only's rate
 
 
 # The adaptive policies by the name --draft-policy takes; each is built from the DraftLength it works within.
@@ -536,6 +586,10 @@ class DraftLength:
     # cost policy: the workers' own cost measurements (Info), used until this generation has measured enough rounds
     prior: CostEstimate | None = None
     pipelined: bool = False  # the loop drafts ahead during each verify: the cost policy models the bet
+    # cost policy: correct the prior by this generation's round timings (measured_drafting_slowdown). Only where the
+    # output does not depend on k (greedy): a seeded sampled generation repeats exactly only if k never depends on
+    # timing.
+    timed: bool = False
 
     def __post_init__(self) -> None:
         if self.initial < 0 or self.minimum < 1 or self.maximum < self.minimum:
@@ -569,6 +623,19 @@ class DraftLength:
         verify_s = rounds[-1].verify_s if rounds else 0.0
         return self.next(k, [*rounds, RoundRecord(k, k, draft_s, verify_s)])
 
+    def rounds_without_drafts(self, rounds: Sequence[RoundRecord], limit: int) -> int:
+        """The next round drafts nothing (the policy chose k = 0 after `rounds`): how many rounds in a row, it
+        included and up to `limit` (at most PROBE_MAX_GAP), the policy would keep drafting nothing, as it would
+        judge them one by one. What the loop decodes as one stream. Their timings are not known yet: the last round
+        without drafts stands in."""
+        zero = next((r for r in reversed(rounds) if not r.drafted), rounds[-1] if rounds else None)
+        stand_in = RoundRecord(0, 0, 0.0, zero.verify_s if zero is not None else 0.0)
+        simulated, count = [*rounds, stand_in], 1
+        while count < min(limit, PROBE_MAX_GAP) and self.next(0, simulated) == 0:
+            simulated.append(stand_in)
+            count += 1
+        return min(count, limit)
+
     def bet_pays(self, k: int, rounds: Sequence[RoundRecord]) -> bool:
         """Pipelining: whether a round drafting k tokens after `rounds` should bet (see DraftPolicy.bet_pays)."""
         return self.rule.bet_pays(k, rounds)
@@ -576,6 +643,12 @@ class DraftLength:
     def drafting_off(self) -> DraftingOff | None:
         """Why this generation drafts nothing at all, decided before its first round (see DraftPolicy.drafting_off)."""
         return self.rule.drafting_off()
+
+    def measured_slowdown(self, rounds: Sequence[RoundRecord]) -> float | None:
+        """How much slower than the workers' costs drafted rounds ran, by this generation's rounds (the cost policy,
+        timed, with a prior); None where it did not measure it. The coordinator carries it to its next generations."""
+        measure = getattr(self.rule, "drafting_slowdown", None)
+        return measure(rounds) if measure is not None else None
 
     def describe(self) -> str:
         """The policy in a few words, for the stats: "fixed k = 4", "adaptive k (cost policy)"."""

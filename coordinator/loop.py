@@ -14,13 +14,18 @@ Drafting off: where the workers' measured costs say no draft length pays even if
 policy's DraftingOff, decided before the first round), the generation is plain target decoding and the drafter is
 left alone: no session opened, no Propose, no updates. The decision, with its numbers, is logged once and kept in the
 result (LoopResult.draft_decision).
+
+Streamed target-only decoding: rounds without drafts are asked of the target as one stream when it can stream them
+(StreamingTarget: the verifier's Decode rpc): the whole generation where nothing drafts (no drafter, or drafting
+off), and each stretch where the policy keeps k = 0 until its next probe. The tokens are the same as round after
+round of k = 0; the verifier decodes back to back instead of waiting a round trip per token.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -54,6 +59,13 @@ class TargetSession(Protocol):
     def verify(self, draft: Draft) -> Verdict: ...
 
 
+class StreamingTarget(TargetSession, Protocol):
+    """A verifier session that can also decode on its own, streaming each token as it commits it: what max_tokens
+    verify(Draft()) calls would give, up to a stop token. Closing the iterator ends the stream."""
+
+    def decode(self, max_tokens: int, stop_token_ids: frozenset[int]) -> Iterator[int]: ...
+
+
 @dataclass(frozen=True)
 class LoopConfig:
     max_new_tokens: int
@@ -61,6 +73,7 @@ class LoopConfig:
     draft_length: DraftLength = DraftLength()
     pipeline: bool = False  # draft the next round while the target verifies this one
     max_propose_tokens: int | None = None  # the drafter's limit: the pipelined bet never asks for more
+    stream_target_only: bool = True  # without drafting, let a StreamingTarget decode all tokens in one stream
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -100,6 +113,7 @@ def speculative_decode(drafter: DraftSource | None, target: TargetSession, confi
         config.draft_length.policy if config.draft_length.adaptive else "fixed")
     result.draft_decision = (str(off) if off is not None else "target-only decoding (no drafter)" if drafter is None
                              else config.draft_length.describe())
+    streams = config.stream_target_only and hasattr(target, "decode")
     k = config.draft_length.first() if drafter is not None else 0
     pipelined = config.pipeline and drafter is not None
     with ThreadPoolExecutor(1, thread_name_prefix="draft-ahead") if pipelined else nullcontext() as ahead_pool:
@@ -108,6 +122,14 @@ def speculative_decode(drafter: DraftSource | None, target: TargetSession, confi
             remaining = config.max_new_tokens - len(result.tokens)
             # The target always adds one token of its own, so never draft past the token budget.
             k_round = min(k, remaining - 1)
+            if streams and k_round == 0:
+                # No drafts this round, nor (by the policy) in the next ones until its next probe: one stream.
+                count = (remaining if drafter is None
+                         else config.draft_length.rounds_without_drafts(result.rounds, remaining))
+                if _decode_streamed(target, config, count, on_tokens, result, drafter):
+                    return result
+                k = config.draft_length.next(0, result.rounds)
+                continue
 
             started = time.perf_counter()
             if ready is not None and ready.tokens and k_round > 0:
@@ -162,3 +184,36 @@ def speculative_decode(drafter: DraftSource | None, target: TargetSession, confi
 
             # Adaptive draft length: decided from the rounds so far (coordinator/draft_length.py).
             k = config.draft_length.next(k, result.rounds) if drafter is not None else 0
+
+
+def _decode_streamed(target: StreamingTarget, config: LoopConfig, count: int,
+                     on_tokens: Callable[[list[int]], bool] | None, result: LoopResult,
+                     drafter: DraftSource | None) -> bool:
+    """`count` rounds of k = 0 in one stream from the target, without a round trip per token; True when the
+    generation finished (as the loop finishes: an end-of-sequence token is kept; a stop from on_tokens). The drafter
+    learns the committed tokens once, at the end."""
+    stream = target.decode(count, config.eos_token_ids)
+    committed: list[int] = []
+    try:
+        started = time.perf_counter()
+        for token in stream:
+            now = time.perf_counter()
+            result.rounds.append(RoundRecord(0, 0, 0.0, now - started))
+            started = now
+            result.tokens.append(token)
+            committed.append(token)
+            finish = "eos" if token in config.eos_token_ids else ""
+            if on_tokens is not None and on_tokens([token]):
+                finish = "stop"
+            if not finish and len(result.tokens) >= config.max_new_tokens:
+                finish = "length"
+            if finish:
+                result.finish_reason = finish
+                return True
+    finally:
+        stream.close()  # a stop before the end: the verifier stops decoding
+        if drafter is not None and committed:
+            drafter.update(committed)
+    if len(committed) != count:
+        raise RuntimeError(f"the target's stream ended after {len(committed)} of {count} tokens")
+    return False

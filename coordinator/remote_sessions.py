@@ -18,7 +18,7 @@ from recent context). Output never depends on the drafter's context: the verifie
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -27,8 +27,9 @@ import tenacity
 from coordinator.cancel import CancelToken
 from coordinator.fleet import Endpoint, WorkerPool
 from coordinator.loop import Draft, DraftSource
-from coordinator.channel import SyncedHistory
+from coordinator.channel import SyncedHistory, is_resync
 from coordinator.resilience import BREAKER_FAILURES, NoWorkerAvailable, ResilienceConfig, is_retryable
+from coordinator.token_stream import TokenStream
 from specmesh.decoding.acceptance import Verdict
 from specmesh.decoding.sampling import SamplingParams
 from specmesh.v1 import specmesh_pb2 as pb
@@ -117,7 +118,8 @@ class FailoverTargetSession:
         self.link = PinnedSession(pool, prompt, stats, cancel)
         self.session_id, self._params, self._seed, self._config, self.stats = session_id, params, seed, config, stats
 
-    def _verify_once(self, draft: Draft, failed: list[Endpoint]) -> pb.VerifyResponse:
+    def _next_endpoint(self, failed: list[Endpoint]) -> Endpoint:
+        """The verifier for the next attempt: the pinned one, or after a failure another one when there is one."""
         if self.link.cancel is not None:
             self.link.cancel.check()
         previous = self.link.endpoint
@@ -130,6 +132,35 @@ class FailoverTargetSession:
             self.stats.failovers += 1
             log.warning("session %s moves from verifier %s to %s", self.session_id[:8], previous.address,
                         endpoint.address)
+        return endpoint
+
+    def _failed(self, endpoint: Endpoint, error: grpc.RpcError, failed: list[Endpoint]) -> None:
+        self.link.record(endpoint, error)
+        if is_retryable(error):
+            failed.append(endpoint)
+            self.stats.retries += 1
+
+    def _retrying(self) -> tenacity.Retrying:
+        return tenacity.Retrying(
+            retry=tenacity.retry_if_exception(is_retryable),
+            stop=tenacity.stop_after_delay(self._config.retry_budget_s),
+            # Doubling from backoff_initial_s, plus up to that much jitter so sessions do not retry in lockstep.
+            wait=tenacity.wait_exponential_jitter(multiplier=self._config.backoff_initial_s,
+                                                  max=self._config.backoff_max_s,
+                                                  jitter=self._config.backoff_initial_s),
+            # A cancel cuts the backoff short; the next attempt then raises GenerationCancelled.
+            sleep=self.link.cancel.sleep if self.link.cancel is not None else tenacity.nap.sleep,
+            reraise=True)
+
+    def _commit(self, tokens: Sequence[int], server_length: int) -> None:
+        """The verifier commits what it decides itself, so the next call sends nothing new."""
+        history = self.link.sync.history
+        history.extend(tokens)
+        # A disagreement about the history: rebuild it from scratch on the next call.
+        self.link.sync.server_length = len(history) if server_length == len(history) else 0
+
+    def _verify_once(self, draft: Draft, failed: list[Endpoint]) -> pb.VerifyResponse:
+        endpoint = self._next_endpoint(failed)
 
         def rpc(context: pb.ContextSync) -> pb.VerifyResponse:
             return self.link.invoke(endpoint.stub.Verify, pb.VerifyRequest(
@@ -140,35 +171,90 @@ class FailoverTargetSession:
         try:
             response = self.link.sync.call(rpc)
         except grpc.RpcError as e:
-            self.link.record(endpoint, e)
-            if is_retryable(e):
-                failed.append(endpoint)
-                self.stats.retries += 1
+            self._failed(endpoint, e, failed)
             raise
         self.link.record(endpoint, None)
         return response
 
     def verify(self, draft: Draft) -> Verdict:
-        failed: list[Endpoint] = []
-        retrying = tenacity.Retrying(
-            retry=tenacity.retry_if_exception(is_retryable),
-            stop=tenacity.stop_after_delay(self._config.retry_budget_s),
-            # Doubling from backoff_initial_s, plus up to that much jitter so sessions do not retry in lockstep.
-            wait=tenacity.wait_exponential_jitter(multiplier=self._config.backoff_initial_s,
-                                                  max=self._config.backoff_max_s,
-                                                  jitter=self._config.backoff_initial_s),
-            # A cancel cuts the backoff short; the next attempt then raises GenerationCancelled.
-            sleep=self.link.cancel.sleep if self.link.cancel is not None else tenacity.nap.sleep,
-            reraise=True)
-        response = retrying(self._verify_once, draft, failed)
+        response = self._retrying()(self._verify_once, draft, [])
         verdict = Verdict(accepted=response.accepted, next_token=response.next_token)
-        # The verifier commits the accepted drafts and its own token itself, so next round sends nothing new.
-        history = self.link.sync.history
-        history.extend([*draft.tokens[:verdict.accepted], verdict.next_token])
-        self.link.sync.server_length = len(history)
-        if response.committed_length != len(history):
-            self.link.sync.server_length = 0  # disagreement about the history: rebuild it from scratch next call
+        self._commit([*draft.tokens[:verdict.accepted], verdict.next_token], response.committed_length)
         return verdict
+
+    def _decode_by_rounds(self, max_tokens: int, stop_token_ids: frozenset[int]) -> Iterator[int]:
+        for _ in range(max_tokens):
+            token = self.verify(Draft()).next_token
+            yield token
+            if token in stop_token_ids:
+                return
+
+    def _open_decode(self, max_tokens: int, stop_token_ids: frozenset[int],
+                     failed: list[Endpoint]) -> tuple[Endpoint, TokenStream, pb.DecodeResponse]:
+        """A Decode stream on the next verifier, with its first token: a refused call (resync, a verifier that is
+        gone) fails here, where it is retried."""
+        endpoint = self._next_endpoint(failed)
+
+        def rpc(context: pb.ContextSync) -> tuple[TokenStream, pb.DecodeResponse]:
+            if self.link.cancel is not None:
+                self.link.cancel.check()
+            call = endpoint.stub.Decode(pb.DecodeRequest(
+                session_id=self.session_id, context=context, max_tokens=max_tokens,
+                stop_token_ids=sorted(stop_token_ids), sampling=sampling_to_wire(self._params), seed=self._seed))
+            stream = TokenStream(call, self._config.attempt_timeout(self._config.verify_timeout_s,
+                                                                    len(context.new_tokens)),
+                                 self._config.verify_timeout_s, self.link.cancel)
+            first = stream.next()
+            if first is None:
+                raise RuntimeError(f"verifier {endpoint.address} ended a Decode stream without a token")
+            return stream, first
+        try:
+            stream, first = self.link.sync.call(rpc)
+        except grpc.RpcError as e:
+            self._failed(endpoint, e, failed)
+            raise
+        return endpoint, stream, first
+
+    def decode(self, max_tokens: int, stop_token_ids: frozenset[int] = frozenset()) -> Iterator[int]:
+        """Target-only decoding streamed by the verifier (Decode): each token as the verifier commits it, up to
+        max_tokens or a stop token. Exactly the tokens of max_tokens verify() calls without drafts. A stream that
+        breaks is re-opened from the tokens received so far, under verify()'s retry policy: on another verifier when
+        its own became unusable. Closing the generator (a stop string) ends the stream."""
+        taken, failed = 0, []
+        while taken < max_tokens:
+            try:
+                endpoint, stream, response = self._retrying()(self._open_decode, max_tokens - taken,
+                                                              stop_token_ids, failed)
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.UNIMPLEMENTED:
+                    raise
+                log.info("verifier without Decode (an older version): target-only decoding goes round by round")
+                yield from self._decode_by_rounds(max_tokens - taken, stop_token_ids)
+                return
+            failed = []
+            try:
+                while response is not None:
+                    self._commit([response.token], response.committed_length)
+                    taken += 1
+                    yield response.token
+                    if taken >= max_tokens or response.token in stop_token_ids:
+                        self.link.record(endpoint, None)
+                        return
+                    response = stream.next()
+                raise RuntimeError(f"verifier {endpoint.address} ended a Decode stream after {taken} of "
+                                   f"{max_tokens} tokens")
+            except grpc.RpcError as e:
+                if is_resync(e):  # the verifier dropped the session between two steps: re-open with everything
+                    self.link.sync.server_length = 0
+                    self.stats.resyncs += 1
+                    continue
+                self._failed(endpoint, e, failed)
+                if not is_retryable(e):
+                    raise
+                log.warning("session %s: the Decode stream from verifier %s broke after %d tokens (%s): re-opened",
+                            self.session_id[:8], endpoint.address, taken, e.code().name)
+            finally:
+                stream.close()
 
     def end(self) -> None:
         self.link.end(self.session_id)

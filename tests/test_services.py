@@ -233,3 +233,86 @@ def test_bad_generation_options_are_refused():
                 dict(draft_tokens=-2), dict(seed=-1)):
         with pytest.raises(ValueError):
             GenerationOptions(**bad)
+
+
+# ---- Decode: target-only steps streamed by the verifier ----
+
+def _decode(worker, session_id, tokens, max_tokens, **fields):
+    return worker.stub.Decode(pb.DecodeRequest(session_id=session_id, context=_ctx(tokens), max_tokens=max_tokens,
+                                               **fields), timeout=30)
+
+
+def _verify_rounds(worker, session_id, tokens, count, **fields):
+    """What `count` Verify calls without drafts commit, each building on the last."""
+    history = list(tokens)
+    for i in range(count):
+        context = _ctx(tokens) if i == 0 else pb.ContextSync(base_length=len(history),
+                                                               base_hash=history_hash(history))
+        reply = worker.stub.Verify(pb.VerifyRequest(session_id=session_id, context=context, **fields), timeout=30)
+        history.append(reply.next_token)
+        assert reply.committed_length == len(history)
+    return history[len(tokens):]
+
+
+@pytest.mark.parametrize("sampling", [None, pb.SamplingParams(temperature=1.0, top_k=50)], ids=["greedy", "sampled"])
+def test_a_decode_stream_gives_what_verify_rounds_give(verifier, prompt, expected, sampling):
+    fields = {} if sampling is None else {"sampling": sampling, "seed": 7}
+    worker = RemoteWorker(verifier.address, "verifier")
+    try:
+        streamed = list(_decode(worker, new_session_id(), prompt, 12, **fields))
+        assert [r.committed_length for r in streamed] == [len(prompt) + i for i in range(1, 13)]
+        tokens = [r.token for r in streamed]
+        assert tokens == _verify_rounds(worker, new_session_id(), prompt, 12, **fields)
+        if sampling is None:
+            assert tokens == expected[:12]
+    finally:
+        worker.close()
+
+
+def test_a_decode_stream_ends_at_a_stop_token(verifier, prompt, expected):
+    worker = RemoteWorker(verifier.address, "verifier")
+    try:
+        stop = expected[5]
+        streamed = [r.token for r in _decode(worker, new_session_id(), prompt, 30, stop_token_ids=[stop])]
+        assert streamed == expected[:expected.index(stop) + 1]
+    finally:
+        worker.close()
+
+
+def test_a_cancelled_stream_leaves_a_session_the_client_continues_from_its_own_length(verifier, prompt, expected):
+    worker = RemoteWorker(verifier.address, "verifier")
+    session = new_session_id()
+    try:
+        stream = _decode(worker, session, prompt, 30)
+        taken = [next(stream).token for _ in range(3)]
+        stream.cancel()  # a stop string: the server may have decoded a step or two past what the client took
+        history = list(prompt) + taken
+        reply = worker.stub.Verify(pb.VerifyRequest(session_id=session, context=pb.ContextSync(
+            base_length=len(history), base_hash=history_hash(history))), timeout=30)
+        assert taken + [reply.next_token] == expected[:4] and reply.committed_length == len(history) + 1
+    finally:
+        worker.close()
+
+
+BAD_DECODE = {
+    "max_tokens 0": dict(max_tokens=0),
+    "past the context": dict(max_tokens=10**6),
+    "stop token out of range": dict(stop_token_ids=[10**6]),
+    "empty session id": dict(session_id=""),
+    "token out of range": dict(context=_ctx([1, 10**6])),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_DECODE))
+def test_decode_rejects_bad_input_and_keeps_serving(verifier, case):
+    request = dict(session_id="s", context=_ctx([1, 2, 3]), max_tokens=4)
+    request.update(BAD_DECODE[case])
+    worker = RemoteWorker(verifier.address, "verifier")
+    try:
+        with pytest.raises(grpc.RpcError) as error:
+            list(worker.stub.Decode(pb.DecodeRequest(**request), timeout=10))
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and error.value.details()
+        assert len(list(worker.stub.Decode(pb.DecodeRequest(session_id="ok", context=_ctx([1, 2]), max_tokens=3),
+                                           timeout=10))) == 3
+    finally:
+        worker.close()

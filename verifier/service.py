@@ -9,11 +9,13 @@ import grpc
 
 from specmesh.runtime.models import LoadedModel
 from specmesh.v1 import specmesh_pb2 as pb
+from specmesh.wire.contract import NotReady
 from specmesh.v1 import specmesh_pb2_grpc as pb_grpc
 from specmesh.wire.validation import check_context, check_token_ids, dist_from_wire, sampling_from_wire
 from specmesh.worker.config import FaultInjection, ModelConfig, ServerConfig, split_options
-from specmesh.worker.server import WorkerServer, WorkerServicerBase, rpc, serving
+from specmesh.worker.server import WorkerServer, WorkerServicerBase, rpc, rpc_stream, serving
 from verifier.config import BatchingConfig, VerifierConfig
+from verifier.decode_stream import DecodeSteps, decode_stream
 from verifier.engine import VerifyEngine
 
 SERVICE_NAME = "specmesh.v1.Verifier"
@@ -48,6 +50,34 @@ class VerifierServicer(WorkerServicerBase, pb_grpc.VerifierServicer):
                                 new_tokens, drafts, dists, params, request.seed, is_active=context.is_active)
         return pb.VerifyResponse(accepted=outcome.verdict.accepted, next_token=outcome.verdict.next_token,
                                  committed_length=outcome.committed_length)
+
+
+    @rpc_stream
+    def Decode(self, request: pb.DecodeRequest, context) -> Iterator[pb.DecodeResponse]:
+        engine: VerifyEngine = self.engine
+        vocab_size = engine.description.vocab_size
+        session_key = self.session_key(request.session_id, context)
+        if request.max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        check_token_ids("stop_token_ids", list(request.stop_token_ids), vocab_size)
+        new_tokens = list(request.context.new_tokens)
+        # Every step adds one token: the whole stream must fit in the context.
+        limit = self.worker.max_context_length - request.max_tokens
+        if limit < 0:
+            raise ValueError(f"max_tokens {request.max_tokens} exceeds max_context_length "
+                             f"{self.worker.max_context_length}")
+        check_context(request.context.base_length, new_tokens, vocab_size, limit)
+        params = sampling_from_wire(request.sampling.temperature, request.sampling.top_k, request.sampling.top_p)
+        steps = DecodeSteps(session_key, request.context.base_length, request.context.base_hash, tuple(new_tokens),
+                            request.max_tokens, frozenset(request.stop_token_ids), params, request.seed)
+
+        def before_step() -> None:
+            if self.worker.stopping.is_set():  # draining: the client goes on elsewhere from what it has received
+                raise NotReady("the verifier is stopping")
+            self.before_work(context)  # each step counts as a call for injected faults (tests), as a Verify would
+
+        for outcome in decode_stream(engine, steps, context.is_active, before_step):
+            yield pb.DecodeResponse(token=outcome.verdict.next_token, committed_length=outcome.committed_length)
 
 
 class VerifierRole:

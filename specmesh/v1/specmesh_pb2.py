@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aspecmesh/v1/specmesh.proto\x12\x0bspecmesh.v1\"C\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\"I\n\x0b\x43ontextSync\x12\x13\n\x0b\x62\x61se_length\x18\x01 \x01(\x04\x12\x11\n\tbase_hash\x18\x02 \x01(\x06\x12\x12\n\nnew_tokens\x18\x03 \x03(\x05\"6\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"\xa0\x01\n\x0eProposeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12)\n\x07\x63ontext\x18\x02 \x01(\x0b\x32\x18.specmesh.v1.ContextSync\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.specmesh.v1.SamplingParams\x12\x0c\n\x04seed\x18\x05 \x01(\x04\"s\n\x0fProposeResponse\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x36\n\rdistributions\x18\x02 \x03(\x0b\x32\x1f.specmesh.v1.SparseDistribution\x12\x18\n\x10\x63ommitted_length\x18\x03 \x01(\x04\"\xdf\x01\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12)\n\x07\x63ontext\x18\x02 \x01(\x0b\x32\x18.specmesh.v1.ContextSync\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x03(\x05\x12<\n\x13\x64raft_distributions\x18\x04 \x03(\x0b\x32\x1f.specmesh.v1.SparseDistribution\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.specmesh.v1.SamplingParams\x12\x0c\n\x04seed\x18\x06 \x01(\x04\"P\n\x0eVerifyResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\x12\x12\n\nnext_token\x18\x02 \x01(\x05\x12\x18\n\x10\x63ommitted_length\x18\x03 \x01(\x04\"\r\n\x0bInfoRequest\"\xe3\x03\n\x0cInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x18\n\x10max_draft_tokens\x18\x07 \x01(\r\x12\x1a\n\x12max_context_length\x18\x08 \x01(\r\x12\x0c\n\x04role\x18\t \x01(\t\x12\x17\n\x0f\x61\x63tive_sessions\x18\n \x01(\r\x12\x0e\n\x06\x65ngine\x18\x0b \x01(\t\x12\x16\n\x0eresident_bytes\x18\x0c \x01(\x04\x12\x15\n\rweights_bytes\x18\r \x01(\x04\x12\x19\n\x11\x64raft_per_token_s\x18\x0e \x01(\x01\x12\x15\n\rverify_base_s\x18\x0f \x01(\x01\x12\x1a\n\x12verify_per_draft_s\x18\x10 \x01(\x01\x12-\n\x0cverify_costs\x18\x11 \x03(\x0b\x32\x17.specmesh.v1.VerifyCost\x12\x19\n\x11prefix_cache_hits\x18\x12 \x01(\x04\x12\"\n\x1aprefix_cache_reused_tokens\x18\x13 \x01(\x04\"-\n\nVerifyCost\x12\x0e\n\x06\x64rafts\x18\x01 \x01(\r\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\"\'\n\x11\x45ndSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"%\n\x12\x45ndSessionResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\x32\xdb\x01\n\x07\x44rafter\x12\x44\n\x07Propose\x12\x1b.specmesh.v1.ProposeRequest\x1a\x1c.specmesh.v1.ProposeResponse\x12;\n\x04Info\x12\x18.specmesh.v1.InfoRequest\x1a\x19.specmesh.v1.InfoResponse\x12M\n\nEndSession\x12\x1e.specmesh.v1.EndSessionRequest\x1a\x1f.specmesh.v1.EndSessionResponse2\xd9\x01\n\x08Verifier\x12\x41\n\x06Verify\x12\x1a.specmesh.v1.VerifyRequest\x1a\x1b.specmesh.v1.VerifyResponse\x12;\n\x04Info\x12\x18.specmesh.v1.InfoRequest\x1a\x19.specmesh.v1.InfoResponse\x12M\n\nEndSession\x12\x1e.specmesh.v1.EndSessionRequest\x1a\x1f.specmesh.v1.EndSessionResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aspecmesh/v1/specmesh.proto\x12\x0bspecmesh.v1\"C\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\"I\n\x0b\x43ontextSync\x12\x13\n\x0b\x62\x61se_length\x18\x01 \x01(\x04\x12\x11\n\tbase_hash\x18\x02 \x01(\x06\x12\x12\n\nnew_tokens\x18\x03 \x03(\x05\"6\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"\xa0\x01\n\x0eProposeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12)\n\x07\x63ontext\x18\x02 \x01(\x0b\x32\x18.specmesh.v1.ContextSync\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.specmesh.v1.SamplingParams\x12\x0c\n\x04seed\x18\x05 \x01(\x04\"s\n\x0fProposeResponse\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x36\n\rdistributions\x18\x02 \x03(\x0b\x32\x1f.specmesh.v1.SparseDistribution\x12\x18\n\x10\x63ommitted_length\x18\x03 \x01(\x04\"\xdf\x01\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12)\n\x07\x63ontext\x18\x02 \x01(\x0b\x32\x18.specmesh.v1.ContextSync\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x03(\x05\x12<\n\x13\x64raft_distributions\x18\x04 \x03(\x0b\x32\x1f.specmesh.v1.SparseDistribution\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.specmesh.v1.SamplingParams\x12\x0c\n\x04seed\x18\x06 \x01(\x04\"P\n\x0eVerifyResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\x12\x12\n\nnext_token\x18\x02 \x01(\x05\x12\x18\n\x10\x63ommitted_length\x18\x03 \x01(\x04\"\xb7\x01\n\rDecodeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12)\n\x07\x63ontext\x18\x02 \x01(\x0b\x32\x18.specmesh.v1.ContextSync\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\x05\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.specmesh.v1.SamplingParams\x12\x0c\n\x04seed\x18\x06 \x01(\x04\"9\n\x0e\x44\x65\x63odeResponse\x12\r\n\x05token\x18\x01 \x01(\x05\x12\x18\n\x10\x63ommitted_length\x18\x02 \x01(\x04\"\r\n\x0bInfoRequest\"\xe3\x03\n\x0cInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x18\n\x10max_draft_tokens\x18\x07 \x01(\r\x12\x1a\n\x12max_context_length\x18\x08 \x01(\r\x12\x0c\n\x04role\x18\t \x01(\t\x12\x17\n\x0f\x61\x63tive_sessions\x18\n \x01(\r\x12\x0e\n\x06\x65ngine\x18\x0b \x01(\t\x12\x16\n\x0eresident_bytes\x18\x0c \x01(\x04\x12\x15\n\rweights_bytes\x18\r \x01(\x04\x12\x19\n\x11\x64raft_per_token_s\x18\x0e \x01(\x01\x12\x15\n\rverify_base_s\x18\x0f \x01(\x01\x12\x1a\n\x12verify_per_draft_s\x18\x10 \x01(\x01\x12-\n\x0cverify_costs\x18\x11 \x03(\x0b\x32\x17.specmesh.v1.VerifyCost\x12\x19\n\x11prefix_cache_hits\x18\x12 \x01(\x04\x12\"\n\x1aprefix_cache_reused_tokens\x18\x13 \x01(\x04\"-\n\nVerifyCost\x12\x0e\n\x06\x64rafts\x18\x01 \x01(\r\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\"\'\n\x11\x45ndSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"%\n\x12\x45ndSessionResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\x32\xdb\x01\n\x07\x44rafter\x12\x44\n\x07Propose\x12\x1b.specmesh.v1.ProposeRequest\x1a\x1c.specmesh.v1.ProposeResponse\x12;\n\x04Info\x12\x18.specmesh.v1.InfoRequest\x1a\x19.specmesh.v1.InfoResponse\x12M\n\nEndSession\x12\x1e.specmesh.v1.EndSessionRequest\x1a\x1f.specmesh.v1.EndSessionResponse2\x9e\x02\n\x08Verifier\x12\x41\n\x06Verify\x12\x1a.specmesh.v1.VerifyRequest\x1a\x1b.specmesh.v1.VerifyResponse\x12\x43\n\x06\x44\x65\x63ode\x12\x1a.specmesh.v1.DecodeRequest\x1a\x1b.specmesh.v1.DecodeResponse0\x01\x12;\n\x04Info\x12\x18.specmesh.v1.InfoRequest\x1a\x19.specmesh.v1.InfoResponse\x12M\n\nEndSession\x12\x1e.specmesh.v1.EndSessionRequest\x1a\x1f.specmesh.v1.EndSessionResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -45,18 +45,22 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_VERIFYREQUEST']._serialized_end=747
   _globals['_VERIFYRESPONSE']._serialized_start=749
   _globals['_VERIFYRESPONSE']._serialized_end=829
-  _globals['_INFOREQUEST']._serialized_start=831
-  _globals['_INFOREQUEST']._serialized_end=844
-  _globals['_INFORESPONSE']._serialized_start=847
-  _globals['_INFORESPONSE']._serialized_end=1330
-  _globals['_VERIFYCOST']._serialized_start=1332
-  _globals['_VERIFYCOST']._serialized_end=1377
-  _globals['_ENDSESSIONREQUEST']._serialized_start=1379
-  _globals['_ENDSESSIONREQUEST']._serialized_end=1418
-  _globals['_ENDSESSIONRESPONSE']._serialized_start=1420
-  _globals['_ENDSESSIONRESPONSE']._serialized_end=1457
-  _globals['_DRAFTER']._serialized_start=1460
-  _globals['_DRAFTER']._serialized_end=1679
-  _globals['_VERIFIER']._serialized_start=1682
-  _globals['_VERIFIER']._serialized_end=1899
+  _globals['_DECODEREQUEST']._serialized_start=832
+  _globals['_DECODEREQUEST']._serialized_end=1015
+  _globals['_DECODERESPONSE']._serialized_start=1017
+  _globals['_DECODERESPONSE']._serialized_end=1074
+  _globals['_INFOREQUEST']._serialized_start=1076
+  _globals['_INFOREQUEST']._serialized_end=1089
+  _globals['_INFORESPONSE']._serialized_start=1092
+  _globals['_INFORESPONSE']._serialized_end=1575
+  _globals['_VERIFYCOST']._serialized_start=1577
+  _globals['_VERIFYCOST']._serialized_end=1622
+  _globals['_ENDSESSIONREQUEST']._serialized_start=1624
+  _globals['_ENDSESSIONREQUEST']._serialized_end=1663
+  _globals['_ENDSESSIONRESPONSE']._serialized_start=1665
+  _globals['_ENDSESSIONRESPONSE']._serialized_end=1702
+  _globals['_DRAFTER']._serialized_start=1705
+  _globals['_DRAFTER']._serialized_end=1924
+  _globals['_VERIFIER']._serialized_start=1927
+  _globals['_VERIFIER']._serialized_end=2213
 # @@protoc_insertion_point(module_scope)

@@ -197,6 +197,11 @@ class VerifierStub:
                 request_serializer=specmesh_dot_v1_dot_specmesh__pb2.VerifyRequest.SerializeToString,
                 response_deserializer=specmesh_dot_v1_dot_specmesh__pb2.VerifyResponse.FromString,
                 _registered_method=True)
+        self.Decode = channel.unary_stream(
+                '/specmesh.v1.Verifier/Decode',
+                request_serializer=specmesh_dot_v1_dot_specmesh__pb2.DecodeRequest.SerializeToString,
+                response_deserializer=specmesh_dot_v1_dot_specmesh__pb2.DecodeResponse.FromString,
+                _registered_method=True)
         self.Info = channel.unary_unary(
                 '/specmesh.v1.Verifier/Info',
                 request_serializer=specmesh_dot_v1_dot_specmesh__pb2.InfoRequest.SerializeToString,
@@ -213,6 +218,12 @@ class VerifierServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Verify(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Decode(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -237,6 +248,11 @@ def add_VerifierServicer_to_server(servicer, server):
                     servicer.Verify,
                     request_deserializer=specmesh_dot_v1_dot_specmesh__pb2.VerifyRequest.FromString,
                     response_serializer=specmesh_dot_v1_dot_specmesh__pb2.VerifyResponse.SerializeToString,
+            ),
+            'Decode': grpc.unary_stream_rpc_method_handler(
+                    servicer.Decode,
+                    request_deserializer=specmesh_dot_v1_dot_specmesh__pb2.DecodeRequest.FromString,
+                    response_serializer=specmesh_dot_v1_dot_specmesh__pb2.DecodeResponse.SerializeToString,
             ),
             'Info': grpc.unary_unary_rpc_method_handler(
                     servicer.Info,
@@ -276,6 +292,33 @@ class Verifier:
             '/specmesh.v1.Verifier/Verify',
             specmesh_dot_v1_dot_specmesh__pb2.VerifyRequest.SerializeToString,
             specmesh_dot_v1_dot_specmesh__pb2.VerifyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Decode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/specmesh.v1.Verifier/Decode',
+            specmesh_dot_v1_dot_specmesh__pb2.DecodeRequest.SerializeToString,
+            specmesh_dot_v1_dot_specmesh__pb2.DecodeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -117,18 +117,32 @@ class ConcurrencyLimitInterceptor(grpc.ServerInterceptor):
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
-        if handler is None or handler.unary_unary is None or \
+        if handler is None or handler.request_streaming or \
                 handler_call_details.method.startswith(_UNAUTHENTICATED_METHODS):
             return handler
-        inner, slots, limit = handler.unary_unary, self._slots, self._limit
+        slots, limit = self._slots, self._limit
 
-        def limited(request, context):
+        def take_slot(context) -> None:
             if not slots.acquire(blocking=False):
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"more than {limit} calls in progress")
+
+        def limited(request, context):
+            take_slot(context)
             try:
-                return inner(request, context)
+                return handler.unary_unary(request, context)
             finally:
                 slots.release()
+
+        def limited_stream(request, context):  # a response stream (Decode) holds its slot until it ends
+            take_slot(context)
+            try:
+                yield from handler.unary_stream(request, context)
+            finally:
+                slots.release()
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(limited_stream,
+                                                        request_deserializer=handler.request_deserializer,
+                                                        response_serializer=handler.response_serializer)
         return grpc.unary_unary_rpc_method_handler(limited, request_deserializer=handler.request_deserializer,
                                                    response_serializer=handler.response_serializer)
 

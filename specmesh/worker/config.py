@@ -97,7 +97,7 @@ class FaultInjection:
             raise ValueError(f"slow_after_calls must be >= 0, got {self.slow_after_calls}")
 
     def next_delay(self) -> float:
-        """Seconds the next Propose/Verify call waits before its work (counts the call)."""
+        """Seconds the next Propose/Verify call (or Decode step) waits before its work (counts the call)."""
         return self.inject_latency_s if next(self._calls) >= self.slow_after_calls else 0.0
 
 

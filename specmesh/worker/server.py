@@ -78,29 +78,48 @@ def status_for(error: Exception) -> grpc.StatusCode:
     return next((code for kind, code in ERROR_STATUS if isinstance(error, kind)), grpc.StatusCode.UNKNOWN)
 
 
+@contextmanager
+def _served(servicer, name: str, request, context: grpc.ServicerContext) -> Iterator[None]:
+    """One servicer call: logging context, in-flight count, exceptions mapped to status codes, metrics."""
+    started, code = time.perf_counter(), "OK"
+    logs.session_id.set(getattr(request, "session_id", ""))
+    logs.request_id.set(dict(context.invocation_metadata() or ()).get("x-request-id", ""))
+    try:
+        with servicer.worker.call_in_flight():
+            yield
+    except Exception as e:
+        status = status_for(e)
+        code = status.name
+        if status == grpc.StatusCode.UNKNOWN:
+            raise
+        # The resync prefix is what clients recognise (coordinator/channel.py).
+        context.abort(status, f"{RESYNC_PREFIX} {e}" if isinstance(e, ResyncRequired) else str(e))
+    finally:
+        service = servicer.worker.role.name
+        metrics.RPC_REQUESTS.labels(service, name, code).inc()
+        metrics.RPC_LATENCY.labels(service, name).observe(time.perf_counter() - started)
+        log.debug("%s %s in %.1f ms", name, code, 1000 * (time.perf_counter() - started))
+
+
 def rpc(handler: Callable) -> Callable:
     """Map exceptions of a servicer method to gRPC status codes; the server keeps serving after any of them."""
 
     @functools.wraps(handler)
     def wrapper(self, request, context: grpc.ServicerContext):
-        started, code = time.perf_counter(), "OK"
-        logs.session_id.set(getattr(request, "session_id", ""))
-        logs.request_id.set(dict(context.invocation_metadata() or ()).get("x-request-id", ""))
-        try:
-            with self.worker.call_in_flight():
-                return handler(self, request, context)
-        except Exception as e:
-            status = status_for(e)
-            code = status.name
-            if status == grpc.StatusCode.UNKNOWN:
-                raise
-            # The resync prefix is what clients recognise (coordinator/channel.py).
-            context.abort(status, f"{RESYNC_PREFIX} {e}" if isinstance(e, ResyncRequired) else str(e))
-        finally:
-            service = self.worker.role.name
-            metrics.RPC_REQUESTS.labels(service, handler.__name__, code).inc()
-            metrics.RPC_LATENCY.labels(service, handler.__name__).observe(time.perf_counter() - started)
-            log.debug("%s %s in %.1f ms", handler.__name__, code, 1000 * (time.perf_counter() - started))
+        with _served(self, handler.__name__, request, context):
+            return handler(self, request, context)
+
+    return wrapper
+
+
+def rpc_stream(handler: Callable) -> Callable:
+    """`rpc` for a method that streams its responses (a generator): an exception raised between two responses ends
+    the stream with its status code."""
+
+    @functools.wraps(handler)
+    def wrapper(self, request, context: grpc.ServicerContext):
+        with _served(self, handler.__name__, request, context):
+            yield from handler(self, request, context)
 
     return wrapper
 

@@ -5,6 +5,7 @@ decides tokens with a toy deterministic "model", and fails on command with a cho
 from __future__ import annotations
 
 import queue
+import threading
 from collections import deque
 from collections.abc import Sequence
 
@@ -83,9 +84,12 @@ class FakeStub:
         self.down = False  # every call fails UNAVAILABLE, as on a dead worker
         self.requests: list[tuple[str, object]] = []
         self.ended: list[str] = []
+        self.hang_decode_after: int | None = None  # a Decode stream sends this many tokens, then nothing (hung)
+        self.decode_unimplemented = False  # an older verifier: Decode answers UNIMPLEMENTED
 
-    def _call(self, method: str, request, serve):
-        self.requests.append((method, request))
+    def _call(self, method: str, request, serve, record: bool = True):
+        if record:
+            self.requests.append((method, request))
         if self.down:
             raise FakeRpcError(grpc.StatusCode.UNAVAILABLE, "connection refused")
         fault = self.faults.popleft() if self.faults else None
@@ -127,6 +131,22 @@ class FakeStub:
             drafts.append(token)
         return pb.ProposeResponse(tokens=drafts, committed_length=len(history))
 
+    def _decode_step(self, stream: "FakeDecodeStream") -> pb.DecodeResponse:
+        request = stream.request
+        if not stream.sent:
+            history = self._synced(request.session_id, request.context)
+        else:  # later steps build on the stream's own commits, as the real verifier's do
+            history = self.sessions.get(request.session_id)
+            if history is None or len(history) != stream.committed_length:
+                raise FakeRpcError(grpc.StatusCode.FAILED_PRECONDITION, f"{RESYNC_PREFIX} session changed")
+        token = target_next(history.tokens)
+        history.extend([token])
+        return pb.DecodeResponse(token=token, committed_length=len(history))
+
+    def Decode(self, request: pb.DecodeRequest) -> "FakeDecodeStream":  # noqa: N802
+        self.requests.append(("Decode", request))
+        return FakeDecodeStream(self, request)
+
     def Verify(self, request: pb.VerifyRequest, timeout: float | None = None) -> pb.VerifyResponse:  # noqa: N802
         return self._call("Verify", request, self._verify)
 
@@ -138,6 +158,43 @@ class FakeStub:
 
     def contexts(self, method: str) -> list[pb.ContextSync]:
         return [request.context for name, request in self.requests if name == method]
+
+
+class FakeDecodeStream:
+    """What a fake Decode call returns: an iterator of DecodeResponse with cancel(), as a gRPC response stream. Each
+    next() is one target step, and fails as a unary call would (the worker is down, a scripted fault)."""
+
+    def __init__(self, stub: FakeStub, request: pb.DecodeRequest) -> None:
+        self.stub, self.request = stub, request
+        self.sent, self.committed_length = 0, 0
+        self.last_token: int | None = None
+        self._cancel = threading.Event()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    def __iter__(self) -> "FakeDecodeStream":
+        return self
+
+    def __next__(self) -> pb.DecodeResponse:
+        if self.cancelled:
+            raise FakeRpcError(grpc.StatusCode.CANCELLED, "cancelled by the client")
+        if self.sent >= self.request.max_tokens or self.last_token in self.request.stop_token_ids:
+            raise StopIteration
+        if self.stub.decode_unimplemented:
+            raise FakeRpcError(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+        if self.stub.hang_decode_after is not None and self.sent >= self.stub.hang_decode_after:
+            self._cancel.wait(10.0)  # until the client gives up on it
+            raise FakeRpcError(grpc.StatusCode.CANCELLED, "cancelled by the client")
+        response = self.stub._call("Decode", self.request, lambda _: self.stub._decode_step(self), record=False)
+        self.sent += 1
+        self.committed_length, self.last_token = response.committed_length, response.token
+        return response
+
+    def cancel(self) -> bool:
+        self._cancel.set()
+        return True
 
 
 class FakeWorker:

@@ -7,13 +7,15 @@ why."""
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 
 from coordinator.api import summarize
 from coordinator.cli import print_summary
-from coordinator.draft_length import PRIOR_ACCEPTANCE, PROBE_EVERY, PROBE_MAX_GAP, CostEstimate, DraftLength
+from coordinator.draft_length import (PLAUSIBLE_ACCEPTANCE, PRIOR_ACCEPTANCE, PROBE_EVERY, PROBE_MAX_GAP, CostEstimate,
+                                     DraftLength)
 from coordinator.fleet import WorkerPool
 from coordinator.loop import LoopConfig, LoopResult, speculative_decode
 from coordinator.polling import wait_until
@@ -119,7 +121,7 @@ def test_where_no_draft_length_pays_the_drafter_is_never_called(fleets, pipeline
     assert len(logged) == 1
     assert "c=0.60 of a target step" in logged[0] and "v(1)=2.20" in logged[0] and "v(4)=5.80" in logged[0]
     # The best k = 1: 2 tokens per 2.2 + 0.6 target steps, or per 2.2 when the bet hides the drafting (pipelined).
-    assert f"best possible {0.91 if pipeline else 0.71:.2f}x" in logged[0] and "v(0)=1 s" in logged[0]
+    assert f"best possible {0.91 if pipeline else 0.71:.2f}x" in logged[0] and "target-only 1 s per token" in logged[0]
 
 
 def test_a_generation_that_drafts_opens_the_drafter_session_on_its_first_draft(fleets):
@@ -250,3 +252,77 @@ def test_the_summary_says_how_little_was_drafted_and_over_how_many_drafts(capsys
     no_drafter = LoopResult(tokens=[1] * 3, rounds=[RoundRecord(0, 0, 0.0, 1.0)] * 3,
                             draft_decision="target-only decoding (no drafter)")
     assert stats_of(no_drafter)["draft_note"] == "target-only decoding (no drafter)"
+
+
+def test_a_streamed_target_only_baseline_pays_no_round_trip_per_token():
+    """Split hosts: with 10 ms round trips, a round of k = 0 costs v(0) + 10 ms, but a generation that never drafts
+    is one Decode stream at v(0) per token. Drafting that beats the rounds but not the stream is off."""
+    costs = CostEstimate(0.7, draft_s_per_token=0.012, verify_s_base=0.040, verify_s_per_token=0.0,
+                         verify_curve=((0, 0.040), (1, 0.062), (4, 0.110), (8, 0.170), (16, 0.300)),
+                         draft_round_trip_s=0.010, verify_round_trip_s=0.010)
+    assert costs.drafting_off(16) is None, "against rounds that each pay a round trip, drafting can pay"
+    streamed = replace(costs, target_streams=True)
+    off = streamed.drafting_off(16)
+    assert off is not None and off.target_step_s == 0.040
+    assert off.plausible_speedup < 1.0 <= costs.at_acceptance(PLAUSIBLE_ACCEPTANCE).tokens_per_s(
+        costs.best_k(16)) / costs.at_acceptance(PLAUSIBLE_ACCEPTANCE).tokens_per_s(0)
+
+
+def test_stretches_without_drafts_are_streamed_and_probes_keep_their_schedule(fleets):
+    """Between probes the policy drafts nothing: each such stretch is one Decode stream of exactly its rounds, the
+    probes are Verify rounds, and the output is the target's."""
+    verifiers, drafters, _ = fleets(draft_error_at=0)
+    result, _, _, _ = generate(verifiers, drafters, DRAFTING_PAYS, 300)
+    assert result.tokens == target_continuation(PROMPT, 300)
+    stretches, run = [], 0
+    for r in result.rounds:
+        if r.drafted:
+            stretches, run = stretches + ([run] if run else []), 0
+        else:
+            run += 1
+    stretches += [run] if run else []
+    requests = verifiers.endpoints[0].stub.requests
+    assert [r.max_tokens for method, r in requests if method == "Decode"] == stretches
+    assert sum(method == "Verify" for method, _ in requests) == sum(1 for r in result.rounds if r.drafted)
+    assert len(stretches) >= 4 and max(stretches) >= 64
+
+
+def test_greedy_rounds_that_run_slower_than_the_workers_costs_say_turn_drafting_off():
+    """The prior says drafting pays at the run's acceptance; this generation's drafted rounds took 1.5x what it
+    prices them at (drafter and verifier sharing cores), its rounds without drafts what it says. A greedy generation
+    corrects the prior by that and stops drafting; a sampled one (timed=False) keeps the prior: its k must not
+    depend on timing."""
+    from coordinator.draft_length import RoundRecord, measured_drafting_slowdown
+    prior = CostEstimate(PRIOR_ACCEPTANCE, 0.4, 1.0, 0.0, verify_curve=((0, 1.0), (1, 1.25), (4, 2.2), (16, 7.0)))
+    length = DraftLength(policy="cost", prior=prior)
+    assert prior.could_pay(16, 0.8) and not replace(prior, drafting_slowdown=1.5).could_pay(16, 0.8)
+
+    def drafted(k: int, accepted: int, slowdown: float) -> RoundRecord:
+        return RoundRecord(k, accepted, slowdown * k * 0.4, slowdown * prior.verify_s(k))
+    rounds = [RoundRecord(0, 0, 0.0, 5.0), *[RoundRecord(0, 0, 0.0, 1.0)] * 4,
+              *[drafted(2, 1, 1.5), drafted(3, 3, 1.5)] * 4]
+    assert measured_drafting_slowdown(rounds, prior) == pytest.approx(1.5)
+    assert measured_drafting_slowdown(rounds[:6], prior) == 1.0, "too few drafted rounds to tell"
+    assert replace(length, timed=True).next(3, rounds) == 0
+    assert replace(length, timed=False).next(3, rounds) > 0
+
+
+def test_a_measured_slowdown_carries_to_the_next_greedy_generations_only():
+    """What one greedy generation measured (drafted rounds 1.5x slower than the workers' costs) starts the next:
+    with it drafting is off from the first round, so the probes are paid once. Sampled generations keep the prior."""
+    from coordinator.api import Coordinator, GenerationOptions
+    from coordinator.draft_length import RoundRecord
+    prior = CostEstimate(PRIOR_ACCEPTANCE, 0.4, 1.0, 0.0, verify_curve=((0, 1.0), (1, 1.25), (4, 2.2), (16, 7.0)),
+                         target_streams=True)
+    rounds = [RoundRecord(0, 0, 0.0, 5.0), *[RoundRecord(0, 0, 0.0, 1.0)] * 4,
+              *[RoundRecord(k, a, 1.5 * k * 0.4, 1.5 * prior.verify_s(k)) for k, a in [(2, 1), (3, 3)] * 4]]
+    coordinator = SimpleNamespace(cost_prior=prior, learned_slowdown=None, draft_limit=16, propose_limit=16,
+                                  drafters=object(), suffix_drafters=None)
+    greedy, sampled = GenerationOptions(), GenerationOptions(temperature=0.8)
+    first = Coordinator.draft_length(coordinator, greedy)
+    assert first.drafting_off() is None and first.timed
+    Coordinator._learn_slowdown(coordinator, first, LoopResult(rounds=rounds))
+    assert coordinator.learned_slowdown[0] == pytest.approx(1.5)
+    off = Coordinator.draft_length(coordinator, greedy).drafting_off()
+    assert off is not None and "1.50x slower than the workers' costs" in str(off)
+    assert Coordinator.draft_length(coordinator, sampled).drafting_off() is None

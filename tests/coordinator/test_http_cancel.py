@@ -68,10 +68,11 @@ def assert_cancelled_and_idle(api, workers, cancelled_before: float) -> None:
 
 
 def test_cancel_stops_the_call_in_flight_before_its_forward_pass(tiny_target):
-    """The Python API's CancelToken: the Verify in flight is cancelled, and the worker drops it unrun."""
+    """The Python API's CancelToken: the call in flight (target-only: the Decode stream) is cancelled, and the worker
+    drops it unrun."""
     with run_verifier(tiny_target, port=0, inject_latency_s=1.0) as verifier, \
             Coordinator(verifier.address, tokenizer=tiny_target.tokenizer) as c:
-        dropped = sample("specmesh_rpc_requests_total", service="verifier", method="Verify", code="CANCELLED")
+        dropped = sample("specmesh_rpc_requests_total", service="verifier", method="Decode", code="CANCELLED")
         passes = sample("specmesh_verify_batch_size_count")
         token = CancelToken()
         timer = threading.Timer(0.3, token.cancel)  # while the first Verify waits in the worker
@@ -81,7 +82,7 @@ def test_cancel_stops_the_call_in_flight_before_its_forward_pass(tiny_target):
                        cancel=token)
         timer.join()
         assert cancelled.value.partial.finish_reason == "cancelled" and cancelled.value.partial.token_ids == []
-        poll(lambda: sample("specmesh_rpc_requests_total", service="verifier", method="Verify",
+        poll(lambda: sample("specmesh_rpc_requests_total", service="verifier", method="Decode",
                             code="CANCELLED") == dropped + 1, "the worker to drop the cancelled call")
         assert sample("specmesh_verify_batch_size_count") == passes  # no forward pass ran for it
         assert sessions(verifier) == 0

@@ -53,8 +53,9 @@ def drafter_session(pool: WorkerPool, stats: FaultStats, config: ResilienceConfi
     return DegradingDraftSession(pool, "s1", PROMPT, SamplingParams(), 0, config, stats)
 
 
-def decode(drafter, target, max_new_tokens: int = 24, k: int = 3, after_round=None):
-    """Run the real loop; `after_round(tokens so far)` runs after each round's tokens are committed."""
+def decode(drafter, target, max_new_tokens: int = 24, k: int = 3, after_round=None, stream: bool = True):
+    """Run the real loop; `after_round(tokens so far)` runs after each round's tokens are committed. `stream`: without
+    a drafter, target-only decoding is one Decode stream (else a Verify per token)."""
     seen: list[int] = []
 
     def on_tokens(new: list[int]) -> bool:
@@ -62,8 +63,8 @@ def decode(drafter, target, max_new_tokens: int = 24, k: int = 3, after_round=No
         if after_round is not None:
             after_round(seen)
         return False
-    return speculative_decode(drafter, target, LoopConfig(max_new_tokens, draft_length=DraftLength.fixed(k)),
-                              on_tokens=on_tokens)
+    return speculative_decode(drafter, target, LoopConfig(max_new_tokens, draft_length=DraftLength.fixed(k),
+                                                          stream_target_only=stream), on_tokens=on_tokens)
 
 
 def pinned_index(pool: WorkerPool) -> int:
@@ -121,14 +122,20 @@ def test_a_lost_reply_is_retried_on_the_same_verifier_which_rolls_back_its_commi
     assert target.link.sync.history.tokens == PROMPT + target_continuation(PROMPT, 4)
 
 
-def test_a_restarted_verifier_asks_for_a_resync_and_gets_the_full_history(make_pool):
+@pytest.mark.parametrize("stream", [False, True], ids=["verify-rounds", "decode-stream"])
+def test_a_restarted_verifier_asks_for_a_resync_and_gets_the_full_history(make_pool, stream):
     pool, fleet = make_pool("verifier", 1)
     target = verifier_session(pool)
-    result = decode(None, target, max_new_tokens=6, after_round=lambda tokens: len(tokens) == 3 and fleet[0].restart())
+    result = decode(None, target, max_new_tokens=6, stream=stream,
+                    after_round=lambda tokens: len(tokens) == 3 and fleet[0].restart())
     assert result.tokens == target_continuation(PROMPT, 6)
     assert target.stats.resyncs == 1 and target.stats.retries == 0
-    refused, resent = fleet[0].stub.contexts("Verify")[3:5]
-    assert refused.base_length == len(PROMPT) + 3 and list(refused.new_tokens) == []
+    if stream:  # one stream; the next step after the restart finds no session: re-opened with the full history
+        first, resent = fleet[0].stub.contexts("Decode")
+        assert first.base_length == 0 and list(first.new_tokens) == PROMPT
+    else:
+        refused, resent = fleet[0].stub.contexts("Verify")[3:5]
+        assert refused.base_length == len(PROMPT) + 3 and list(refused.new_tokens) == []
     assert resent.base_length == 0 and list(resent.new_tokens) == PROMPT + target_continuation(PROMPT, 3)
 
 
@@ -243,3 +250,86 @@ def test_drafting_past_uncommitted_tokens_does_not_commit_them(make_pool):
     bet, next_call = fleet[0].stub.contexts("Propose")
     assert list(bet.new_tokens) == PROMPT + guess
     assert next_call.base_length == len(PROMPT) and list(next_call.new_tokens) == [guess[0], 0]
+
+
+# Target-only decoding as one Decode stream (no drafter, or drafting off).
+
+def test_a_stream_sends_the_prompt_once_and_gives_the_target_output(make_pool):
+    pool, fleet = make_pool("verifier", 1)
+    target = verifier_session(pool)
+    result = decode(None, target, max_new_tokens=8)
+    assert result.tokens == target_continuation(PROMPT, 8) and result.finish_reason == "length"
+    assert len(result.rounds) == 8 and all(r.drafted == 0 for r in result.rounds)
+    (context,) = fleet[0].stub.contexts("Decode")
+    assert list(context.new_tokens) == PROMPT and fleet[0].stub.contexts("Verify") == []
+    assert target.link.sync.history.tokens == PROMPT + target_continuation(PROMPT, 8)
+    assert target.link.sync.server_length == len(PROMPT) + 8
+    assert target.stats.as_dict() == {"retries": 0, "failovers": 0, "degraded_rounds": 0, "resyncs": 0}
+
+
+def test_a_stop_ends_the_stream_and_the_next_call_cuts_off_what_the_server_ran_ahead(make_pool):
+    pool, fleet = make_pool("verifier", 1)
+    target = verifier_session(pool)
+    seen = []
+
+    def stop_after_three(new: list[int]) -> bool:
+        seen.extend(new)
+        return len(seen) == 3
+    result = speculative_decode(None, target, LoopConfig(20), on_tokens=stop_after_three)
+    assert result.tokens == target_continuation(PROMPT, 3) and result.finish_reason == "stop"
+    stream_request = fleet[0].stub.requests[-1][1]
+    assert stream_request.max_tokens == 20
+    fleet[0].stub.sessions["s1"].extend([0, 0])  # the server decoded on before it saw the cancel
+    assert target.verify(Draft()).next_token == target_continuation(PROMPT, 4)[-1]
+    assert fleet[0].stub.contexts("Verify")[0].base_length == len(PROMPT) + 3, "built on the client's own length"
+
+
+def test_an_end_of_sequence_token_ends_the_stream(make_pool):
+    pool, fleet = make_pool("verifier", 1)
+    eos = target_continuation(PROMPT, 4)[-1]
+    result = speculative_decode(None, verifier_session(pool), LoopConfig(20, eos_token_ids=frozenset({eos})))
+    assert result.tokens == target_continuation(PROMPT, 4) and result.finish_reason == "eos"
+    assert list(fleet[0].stub.requests[-1][1].stop_token_ids) == [eos]
+
+
+def test_a_verifier_killed_mid_stream_is_left_for_the_next_with_the_full_history(make_pool):
+    verifiers, fleet = make_pool("verifier", 2)
+    target = verifier_session(verifiers)
+    killed = []
+
+    def kill_pinned(tokens: list[int]) -> None:
+        if not killed and len(tokens) == 5:
+            killed.append(pinned_index(verifiers))
+            fleet[killed[0]].stub.down = True
+    result = decode(None, target, max_new_tokens=12, after_round=kill_pinned)
+    assert result.tokens == target_continuation(PROMPT, 12), "failover must not change the output"
+    assert target.stats.failovers == 1 and target.stats.retries == 1
+    (resumed,) = [request for method, request in fleet[1 - killed[0]].stub.requests if method == "Decode"]
+    assert resumed.context.base_length == 0
+    assert list(resumed.context.new_tokens) == PROMPT + target_continuation(PROMPT, 5)
+    assert resumed.max_tokens == 7, "only what is left"
+    assert verifiers.endpoints[killed[0]].breaker.breaker.fail_counter == 1
+
+
+def test_a_hung_stream_is_cancelled_after_the_step_deadline_and_continued_elsewhere(make_pool):
+    config = replace(FAST, verify_timeout_s=0.3)
+    verifiers, fleet = make_pool("verifier", 2, config)
+    target = verifier_session(verifiers, config)
+    target.link.attach()
+    hung = pinned_index(verifiers)
+    fleet[hung].stub.hang_decode_after = 4
+    started = time.monotonic()
+    result = decode(None, target, max_new_tokens=10)
+    assert result.tokens == target_continuation(PROMPT, 10)
+    assert time.monotonic() - started < 3.0, "left after about one step deadline, not a whole stream's"
+    assert target.stats.failovers == 1 and target.stats.retries == 1
+    assert fleet[1 - hung].stub.requests[-1][1].max_tokens == 6
+
+
+def test_a_verifier_without_decode_gets_verify_rounds(make_pool):
+    pool, fleet = make_pool("verifier", 1)
+    fleet[0].stub.decode_unimplemented = True
+    target = verifier_session(pool)
+    result = decode(None, target, max_new_tokens=5)
+    assert result.tokens == target_continuation(PROMPT, 5)
+    assert len(fleet[0].stub.contexts("Verify")) == 5

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -31,7 +32,7 @@ from coordinator.resilience import NoWorkerAvailable, ResilienceConfig
 from coordinator.remote_sessions import DegradingDraftSession, FailoverTargetSession, FaultStats, LazyDraftSource
 from coordinator.text_stream import TextStream
 from coordinator.translation import TokenTranslator, TranslatingDraftSource
-from coordinator.worker_client import WorkerError
+from coordinator.worker_client import WorkerError, measures_costs_later
 from specmesh.runtime.tokenizer import load_tokenizer
 from specmesh.ops import logs
 from specmesh.ops import metrics
@@ -42,6 +43,10 @@ from specmesh.wire.validation import MAX_SEED
 
 # How long a measured drafting slowdown stands for later generations: the machine's load changes.
 LEARNED_TTL_S = 600.0
+# A worker whose costs were not cached measures them after it reports SERVING (specmesh/worker/cost_probe.py): while
+# one that runs a model reports none, its Info is read again before a generation, at most this often.
+COST_REFRESH_S = 5.0
+COST_REFRESH_TIMEOUT_S = 2.0
 
 log = logging.getLogger("specmesh.coordinator")
 
@@ -208,22 +213,19 @@ class Coordinator:
         # every round, which is what speculation amortises on split hosts.
         self.round_trip_s = {"verifier": round_trip_s(self.verifiers),
                              **({"drafter": round_trip_s(self.drafters)} if self.drafters else {})}
-        self.cost_prior = cost_prior(self.verifier_info, self.drafter_info, self.round_trip_s)
+        self._model_round_trip_s = dict(self.round_trip_s)  # the draft model's, where the suffix drafter's replace it
+        if self.suffix_drafters is not None:
+            self.round_trip_s["drafter"] = round_trip_s(self.suffix_drafters)
         # (slowdown, when measured): how much slower than the workers' costs a recent greedy generation's drafted
         # rounds ran. The next greedy generations start from it, so a slowdown that rules drafting out costs the
         # probes of one generation, not of every one.
         self.learned_slowdown: tuple[float, float] | None = None
-        # Hybrid drafting: the policy works with the suffix drafter's costs (its drafts come first); the draft model
-        # joins only where its own costs say some draft length can pay even with every draft accepted.
-        self.model_draft_off, self.model_costs = None, self.cost_prior
-        if self.suffix_drafters is not None:
-            if self.cost_prior is not None:
-                self.model_draft_off = self.cost_prior.drafting_off(DraftLength.maximum)
-                if self.model_draft_off is not None:
-                    log.info("hybrid drafting, cost policy: without the draft model (%s; %s)", self.model_draft_off,
-                             self.model_draft_off.details())
-            self.round_trip_s["drafter"] = round_trip_s(self.suffix_drafters)
-            self.cost_prior = cost_prior(self.verifier_info, self.suffix_drafter_info, self.round_trip_s)
+        self._costs_read_at = time.monotonic()
+        self._costs_lock = threading.Lock()
+        self._set_cost_priors()
+        if self.costs_pending():
+            log.info("the workers have not measured their costs yet (they do once SERVING, unless cached): until "
+                     "they report them, the cost policy drafts nothing (the heuristic policy and a fixed k draft)")
         # Limits agreed with the workers: no request may exceed what either side accepts (Info).
         self.propose_limit = min([info.max_draft_tokens for info in (self.drafter_info, self.suffix_drafter_info)
                                   if info is not None] or [1 << 30])
@@ -237,6 +239,51 @@ class Coordinator:
                            if self.drafter_info is not None else {}),
                         **({"suffix_drafter": True} if self.suffix_drafters is not None else {})}
         metrics.register_state(f"coordinator:{id(self)}", self._state_metrics)
+
+    def _set_cost_priors(self) -> None:
+        """The cost policy's prior from the workers' Info: `cost_prior`, and for hybrid drafting the draft model's
+        own (`model_costs`, `model_draft_off`). Hybrid drafting works with the suffix drafter's costs (its drafts
+        come first); the draft model joins only where its own costs say some draft length can pay even with every
+        draft accepted. Without the workers' costs there is no prior: the cost policy times its own rounds."""
+        model_costs = cost_prior(self.verifier_info, self.drafter_info, self._model_round_trip_s)
+        model_draft_off, prior = None, model_costs
+        if self.suffix_drafters is not None:
+            if model_costs is not None:
+                model_draft_off = model_costs.drafting_off(DraftLength.maximum)
+                if model_draft_off is not None:
+                    log.info("hybrid drafting, cost policy: without the draft model (%s; %s)", model_draft_off,
+                             model_draft_off.details())
+            prior = cost_prior(self.verifier_info, self.suffix_drafter_info, self.round_trip_s)
+        self.model_costs, self.model_draft_off, self.cost_prior = model_costs, model_draft_off, prior
+
+    def costs_pending(self) -> bool:
+        """Whether a worker that runs a model reports no costs yet (it is measuring them)."""
+        return any(measures_costs_later(info) for info in (self.verifier_info, self.drafter_info,
+                                                            self.suffix_drafter_info))
+
+    def _refresh_costs(self) -> None:
+        """Before a generation: read the Info of the workers again while they measure their costs, at most every
+        COST_REFRESH_S (a call of a few milliseconds), so that later generations start from the cost prior. A
+        worker that does not answer in time keeps what it reported."""
+        if not self.costs_pending() or time.monotonic() - self._costs_read_at < COST_REFRESH_S:
+            return
+        if not self._costs_lock.acquire(blocking=False):
+            return  # another generation is reading them
+        try:
+            self._costs_read_at = time.monotonic()
+            for name, pool in (("verifier_info", self.verifiers), ("drafter_info", self.drafters),
+                               ("suffix_drafter_info", self.suffix_drafters)):
+                endpoint = pool.first_serving() if measures_costs_later(getattr(self, name)) else None
+                if endpoint is not None:
+                    try:
+                        setattr(self, name, endpoint.info(COST_REFRESH_TIMEOUT_S))
+                    except WorkerError as e:
+                        log.debug("could not read the costs of %s: %s", endpoint.address, e)
+            self._set_cost_priors()
+            if not self.costs_pending():
+                log.info("the workers report their costs: the cost policy starts from them")
+        finally:
+            self._costs_lock.release()
 
     def _state_metrics(self):
         pools = [p for p in (self.verifiers, self.drafters, self.suffix_drafters) if p is not None]
@@ -309,6 +356,7 @@ class Coordinator:
         prompt_ids = list(prompt) if isinstance(prompt, list) else self.encode_prompt(prompt, options.chat)
         if not prompt_ids:
             raise ValueError("the prompt is empty")
+        self._refresh_costs()
         seed = options.seed if options.seed is not None else (random.getrandbits(63) if options.temperature else 0)
         use_drafter = (self.drafters is not None or self.suffix_drafters is not None) and options.draft_tokens != 0
         config = LoopConfig(max_new_tokens=self.token_budget(len(prompt_ids), options.max_new_tokens),
@@ -397,7 +445,8 @@ class Coordinator:
         if prior is not None and timed and learned is not None and time.monotonic() - learned[1] < LEARNED_TTL_S:
             prior = replace(prior, drafting_slowdown=learned[0])
         return DraftLength(initial=min(DraftLength.initial, maximum), maximum=maximum, policy=options.draft_policy,
-                           prior=prior, pipelined=options.pipeline, timed=timed)
+                           prior=prior, pipelined=options.pipeline, timed=timed,
+                           costs_pending=prior is None and self.costs_pending())
 
     def _learn_slowdown(self, length: DraftLength, loop: LoopResult) -> None:
         slowdown = length.measured_slowdown(loop.rounds)
@@ -422,11 +471,12 @@ class Coordinator:
 
 
 def cost_prior(verifier_info, drafter_info, round_trips: dict[str, float] | None = None) -> CostEstimate | None:
-    """The workers' warm-up cost measurements, plus the measured round trip to each (`round_trips`, seconds by
-    role), as the cost policy's starting point (None when the workers report no costs). Round trips count in whole
-    milliseconds, rounded down: on loopback or a LAN they are noise (and would make k, and so a seeded sampled
-    generation, depend on timing); across hosts they are what every round pays."""
-    if drafter_info is None or verifier_info.verify_base_s <= 0:
+    """The workers' measured costs, plus the measured round trip to each (`round_trips`, seconds by role), as the
+    cost policy's starting point. None when either worker reports none (not measured yet, or an older worker): a
+    draft model that reports 0 s per token has not measured it, and a prior with free drafts would draft long.
+    Round trips count in whole milliseconds, rounded down: on loopback or a LAN they are noise (and would make k,
+    and so a seeded sampled generation, depend on timing); across hosts they are what every round pays."""
+    if drafter_info is None or verifier_info.verify_base_s <= 0 or measures_costs_later(drafter_info):
         return None
     whole_ms = {role: math.floor(s * 1000) / 1000 for role, s in (round_trips or {}).items()}
     # The measured curve when the verifier sends one (older verifiers send only the line), drafts ascending from 0.

@@ -265,6 +265,19 @@ class DraftingOff:
                 f"{self.plausible_speedup:.3f} x target-only's rate")
 
 
+class CostsPending:
+    """The cost policy's decision that a generation drafts nothing because it starts before the workers have measured
+    their costs (they do once SERVING, unless cached): whether drafting can pay here is unknown, and drafting blind
+    can cost more than it wins (0.8x target-only on 2 shared cores). Later generations start from the costs."""
+
+    def __str__(self) -> str:
+        return "drafting off: the workers have not measured their costs yet (the cost policy does not draft blind)"
+
+    def details(self) -> str:
+        return ("they measure them in the background after SERVING, unless cached; the coordinator reads them again "
+                "before its next generations")
+
+
 def recent_drafted(rounds: Sequence[RoundRecord]) -> list[RoundRecord]:
     """The last WINDOW rounds that carried drafts (round 0, the prefill, left out): what is known about drafting,
     however long ago the policy last drafted."""
@@ -477,16 +490,19 @@ class CostPolicy:
         best = prior.best_k(self.length.maximum)
         return max(self.length.initial, best) if best else 0
 
-    def drafting_off(self) -> DraftingOff | None:
-        """With the workers' costs, why no draft length can pay even at PLAUSIBLE_ACCEPTANCE; None without them
-        (round timings could show otherwise) or where some k could pay."""
+    def drafting_off(self) -> DraftingOff | CostsPending | None:
+        """With the workers' costs, why no draft length can pay even at PLAUSIBLE_ACCEPTANCE; None where some k could
+        pay. Without them: CostsPending while the workers are still measuring them, else None (workers that report
+        no costs: round timings could show drafting pays)."""
         return self._drafting_off
 
     @cached_property
-    def _drafting_off(self) -> DraftingOff | None:
+    def _drafting_off(self) -> DraftingOff | CostsPending | None:
         # The prior is fixed for the generation: decided once, not again in every round's next_k.
         prior = self._from_prior(())
-        return None if prior is None else prior.drafting_off(self.length.maximum)
+        if prior is None:
+            return CostsPending() if self.length.costs_pending else None
+        return prior.drafting_off(self.length.maximum)
 
     def _from_prior(self, rounds: Sequence[RoundRecord]) -> CostEstimate | None:
         """The workers' measured costs, with this generation's acceptance (and, pipelined, the bet's hit rate and
@@ -590,6 +606,8 @@ class DraftLength:
     # output does not depend on k (greedy): a seeded sampled generation repeats exactly only if k never depends on
     # timing.
     timed: bool = False
+    # cost policy without a prior because the workers are still measuring their costs: draft nothing (CostsPending)
+    costs_pending: bool = False
 
     def __post_init__(self) -> None:
         if self.initial < 0 or self.minimum < 1 or self.maximum < self.minimum:
@@ -640,7 +658,7 @@ class DraftLength:
         """Pipelining: whether a round drafting k tokens after `rounds` should bet (see DraftPolicy.bet_pays)."""
         return self.rule.bet_pays(k, rounds)
 
-    def drafting_off(self) -> DraftingOff | None:
+    def drafting_off(self) -> DraftingOff | CostsPending | None:
         """Why this generation drafts nothing at all, decided before its first round (see DraftPolicy.drafting_off)."""
         return self.rule.drafting_off()
 

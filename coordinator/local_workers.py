@@ -120,6 +120,14 @@ class LocalWorker:
         finally:
             client.close()
 
+    def wait_costs(self, timeout_s: float = 120.0) -> None:
+        """Wait until the worker reports its costs: measured after SERVING, in the background, when not cached."""
+        client = RemoteWorker(self.address, self.spec.role)
+        try:
+            client.wait_costs(timeout_s)
+        finally:
+            client.close()
+
     def stop(self, timeout_s: float = 10.0) -> None:
         if self.process.poll() is None:
             self.process.terminate()
@@ -139,9 +147,11 @@ def local_workers(specs: list[LocalWorkerSpec], progress: bool = True, load_time
                   while_loading: Callable[[], None] | None = None) -> Iterator[dict[str, str]]:
     """Start one subprocess per spec, wait until every one reports SERVING, yield {role: address}; stop them after.
 
-    `one_at_a_time`: start each worker only once the previous one is SERVING. Slower to start, but each worker's
-    warm-up cost probe (the cost policy's prior) then runs on a quiet machine instead of beside a neighbour that is
-    still loading its model, which made drafting look unprofitable (benchmarks use it).
+    `one_at_a_time`: start each worker only once the previous one is SERVING and has measured its costs (which it
+    does after SERVING when they are not cached), and yield once the last one has. Slower to start, but each
+    worker's cost probe (the cost policy's prior) then runs on a quiet machine instead of beside a neighbour that is
+    still loading its model, which made drafting look unprofitable, and every coordinator starts from the workers'
+    costs (benchmarks use it).
     `while_loading`: called once the workers are started, before waiting for them (the caller's own slow imports and
     checks, done while the workers load; what it raises stops them)."""
     with ExitStack() as stack:
@@ -167,6 +177,8 @@ def local_workers(specs: list[LocalWorkerSpec], progress: bool = True, load_time
                           end="", file=sys.stderr, flush=True)
             try:
                 worker.wait_serving(load_timeout_s, on_wait=show)
+                if one_at_a_time:
+                    worker.wait_costs(load_timeout_s)
             except WorkerError as e:
                 raise WorkerError(f"{e}; its log:\n{worker.log_tail()}") from None
             if progress:  # on a terminal it overwrites the spinner's line (the blanks cover its longer text)

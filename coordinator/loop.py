@@ -167,23 +167,29 @@ def speculative_decode(drafter: DraftSource | None, target: TargetSession, confi
             if drafter is not None:
                 drafter.update(new_tokens)
 
-            # Never emit past an end-of-sequence token (it is kept, like HF generate does).
-            finish = ""
-            for i, token in enumerate(new_tokens):
-                if token in config.eos_token_ids:
-                    new_tokens, finish = new_tokens[:i + 1], "eos"
-                    break
-            result.tokens.extend(new_tokens)
-            if on_tokens is not None and on_tokens(new_tokens):
-                finish = "stop"
-            if not finish and len(result.tokens) >= config.max_new_tokens:
-                finish = "length"
-            if finish:
-                result.finish_reason = finish
+            if _commit(new_tokens, config, on_tokens, result):
                 return result
 
             # Adaptive draft length: decided from the rounds so far (coordinator/draft_length.py).
             k = config.draft_length.next(k, result.rounds) if drafter is not None else 0
+
+
+def _commit(new_tokens: list[int], config: LoopConfig, on_tokens: Callable[[list[int]], bool] | None,
+            result: LoopResult) -> bool:
+    """Add a round's tokens to the result; True (and result.finish_reason set) when the generation is done."""
+    # Never emit past an end-of-sequence token (it is kept, like HF generate does).
+    finish = ""
+    for i, token in enumerate(new_tokens):
+        if token in config.eos_token_ids:
+            new_tokens, finish = new_tokens[:i + 1], "eos"
+            break
+    result.tokens.extend(new_tokens)
+    if on_tokens is not None and on_tokens(new_tokens):
+        finish = "stop"
+    if not finish and len(result.tokens) >= config.max_new_tokens:
+        finish = "length"
+    result.finish_reason = finish
+    return bool(finish)
 
 
 def _decode_streamed(target: StreamingTarget, config: LoopConfig, count: int,
@@ -200,15 +206,8 @@ def _decode_streamed(target: StreamingTarget, config: LoopConfig, count: int,
             now = time.perf_counter()
             result.rounds.append(RoundRecord(0, 0, 0.0, now - started))
             started = now
-            result.tokens.append(token)
             committed.append(token)
-            finish = "eos" if token in config.eos_token_ids else ""
-            if on_tokens is not None and on_tokens([token]):
-                finish = "stop"
-            if not finish and len(result.tokens) >= config.max_new_tokens:
-                finish = "length"
-            if finish:
-                result.finish_reason = finish
+            if _commit([token], config, on_tokens, result):
                 return True
     finally:
         stream.close()  # a stop before the end: the verifier stops decoding

@@ -19,6 +19,14 @@ class WorkerError(RuntimeError):
     """A worker could not be started, reached or used."""
 
 
+def measures_costs_later(info) -> bool:
+    """A worker that runs a model but reports no costs in its Info (0): it has not measured them yet. A worker measures
+    them after SERVING when they are not cached (specmesh/worker/cost_probe.py); a drafter without a model has none."""
+    if info is None or not getattr(info, "engine", ""):
+        return False
+    return (info.verify_base_s if info.role == "verifier" else info.draft_per_token_s) <= 0
+
+
 class RemoteWorker:
     """A channel to one drafter or verifier with its stub and health stub."""
 
@@ -47,6 +55,18 @@ class RemoteWorker:
         """Poll health until SERVING; WorkerError after `timeout_s`. `on_wait` runs between polls (and may raise)."""
         if not wait_until(self.is_serving, timeout_s, interval_s=0.25, on_wait=on_wait):
             raise WorkerError(f"{self.role} at {self.address} not SERVING after {timeout_s:.0f} s")
+
+    def wait_costs(self, timeout_s: float, on_wait: Callable[[], None] | None = None) -> pb.InfoResponse:
+        """Poll Info until the worker reports its costs (measured after SERVING when they are not cached), and return
+        it; WorkerError after `timeout_s`. `on_wait` runs between polls (and may raise)."""
+        infos = []
+
+        def measured() -> bool:
+            infos.append(self.info())
+            return not measures_costs_later(infos[-1])
+        if not wait_until(measured, timeout_s, interval_s=0.05, on_wait=on_wait):
+            raise WorkerError(f"{self.role} at {self.address} has not measured its costs after {timeout_s:.0f} s")
+        return infos[-1]
 
     def end_session(self, session_id: str) -> None:
         try:

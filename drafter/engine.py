@@ -28,7 +28,8 @@ from specmesh.runtime.engine import ModelEngine, as_engine
 from specmesh.wire.contract import Cancelled
 from specmesh.wire.history import EMPTY_HASH, TokenHistory
 from specmesh.worker.batch_window import wait_for_active_sessions
-from specmesh.worker.cost_probe import PROBE_DRAFTS, cached_costs, cost_cache_key, fastest_runs, probe_context
+from specmesh.worker.cost_probe import (PROBE_DRAFTS, BackgroundCostProbe, RequestActivity, costs_now_or_in_background,
+                                        probe_context, timed)
 from specmesh.worker.role import ModelDescription
 from specmesh.worker.session_store import Session, SessionLimits, SessionStore, kv_sessions
 
@@ -45,6 +46,9 @@ class _Request:
     params: SamplingParams
     seed: int
     is_active: Callable[[], bool] = lambda: True  # False once the caller has gone (cancelled, deadline passed)
+    # A cost probe's session, kept outside the store: the probe adds no session to Info's count, evicts none and is
+    # no traffic in the metrics. A probe never joins the drafting rows (it drafts alone, holding the model).
+    probe_session: Session | None = field(default=None, repr=False)
     done: bool = False
     proposal: Proposal | None = None
     error: BaseException | None = None
@@ -84,13 +88,17 @@ class DraftEngine:
         self._answered_at: dict[str, float] = {}  # session -> when it last got an answer (monotonic)
         self._busy_since = 0.0
         self._last_busy_s = 0.0  # how long the last batch (from a first row to no rows) took
-        self.draft_per_token_s = 0.0  # measured by warm_up
+        self.draft_per_token_s = 0.0  # cached, or measured in the background after warm-up; 0 until then
+        self._activity = RequestActivity()  # when the background cost probe may run
+        self._cost_probe: BackgroundCostProbe | None = None
+        self._probe_session: Session | None = None  # the cost probe's, while it measures
 
     def propose(self, session_id: str, base_length: int, base_hash: int, new_tokens: list[int], k: int,
                 params: SamplingParams, seed: int, is_active: Callable[[], bool] = lambda: True) -> Proposal:
         request = _Request(session_id, base_length, base_hash, list(new_tokens), k, params, seed, is_active)
-        self._queue_request(request)
-        return self._answer(request)
+        with self._activity.request():
+            self._queue_request(request)
+            return self._answer(request)
 
     def _queue_request(self, request: _Request) -> None:
         with self._arrived:
@@ -174,8 +182,12 @@ class DraftEngine:
     def _sync(self, request: _Request) -> None:
         """Bring the request's session up to the client's history; a request that cannot be synced fails alone."""
         try:
-            request.session = self.sessions.synced(request.session_id, request.base_length, request.base_hash,
-                                                   request.new_tokens)
+            if request.probe_session is not None:
+                request.probe_session.history.apply_sync(request.base_length, request.base_hash, request.new_tokens)
+                request.session = request.probe_session
+            else:
+                request.session = self.sessions.synced(request.session_id, request.base_length, request.base_hash,
+                                                       request.new_tokens)
         except Exception as e:  # ResyncRequired, ValueError: answered to this caller only
             request.error = e
             return
@@ -193,7 +205,9 @@ class DraftEngine:
                 self.sessions.end(request.session_id)
                 request.error = e
             return
-        metrics.DRAFT_BATCH_SIZE.observe(len(group))
+        traffic = [r for r in group if r.probe_session is None]
+        if traffic:
+            metrics.DRAFT_BATCH_SIZE.observe(len(traffic))
         for request, logits in zip(group, all_logits):
             try:
                 draft = draft_sample(logits[0], request.params, request.seed, position=len(request.sequence))
@@ -233,9 +247,10 @@ class DraftEngine:
         return self.sessions.end(session_id)
 
     def warm_up(self) -> None:
-        """One batched (when batching is on) and one single proposal so the first real calls are not slow; then
-        measure seconds per draft token (the fastest of a few proposals, on a short context), the coordinator's prior
-        for its draft length policy."""
+        """One batched (when batching is on) and one single proposal so the first real calls are not slow; then report
+        the seconds per draft token cached for this model and machine, or start measuring them in the background (the
+        coordinator's prior for its draft length policy; see specmesh/worker/cost_probe.py)."""
+        self.stop_background_work()  # a warm-up again measures again: one probe at a time
         if self.max_batch_size > 1:
             pair = [_Request(f"warm-up-{i}", 0, EMPTY_HASH, [0, 1, 2 + i], 2, SamplingParams(), 0) for i in range(2)]
             for request in pair:
@@ -243,14 +258,47 @@ class DraftEngine:
             for request in pair:
                 self._answer(request)
                 self.end_session(request.session_id)
-        context = probe_context(self.loaded.vocab_size)
-        self.propose("warm-up", 0, EMPTY_HASH, context, 1, SamplingParams(), 0)
-        context_hash = TokenHistory(context).hash_at(len(context))
-
-        def measure() -> float:  # the drafts are rejected: each proposal drafts from the same context
-            seconds = fastest_runs({"propose": lambda: self.propose("warm-up", len(context), context_hash, [],
-                                                                    PROBE_DRAFTS, SamplingParams(), 0)})
-            return seconds["propose"] / PROBE_DRAFTS
-
-        self.draft_per_token_s = float(cached_costs(cost_cache_key("drafter", self.loaded), measure))
+        self.propose("warm-up", 0, EMPTY_HASH, probe_context(self.loaded.vocab_size), 1, SamplingParams(), 0)
         self.end_session("warm-up")
+        self._cost_probe = costs_now_or_in_background(
+            "drafter", self.loaded, self._activity, {"propose": self._probe_propose},
+            to_costs=lambda seconds: seconds["propose"] / PROBE_DRAFTS, publish=self._publish_costs,
+            finish=self._drop_probe_session)
+
+    def stop_background_work(self) -> None:
+        """Stop measuring the costs, if it still is (within one probe call): for the server's stop."""
+        if self._cost_probe is not None:
+            self._cost_probe.stop()
+
+    def _publish_costs(self, seconds_per_token) -> None:
+        self.draft_per_token_s = float(seconds_per_token)  # Info reports it from now on
+
+    def _probe_propose(self) -> float | None:
+        """One call of the cost probe (specmesh/worker/cost_probe.py's BackgroundCostProbe): the seconds of a proposal
+        of PROBE_DRAFTS tokens on the probe context, holding the model like a stepping caller and drafting alone; None
+        when it prefilled that context instead (the first call). The drafts are never accepted: each proposal drafts
+        from the same context."""
+        with self._model_lock:
+            return self.loaded.run_on_model_thread(self._probe_propose_on_model_thread)
+
+    def _probe_propose_on_model_thread(self) -> float | None:
+        context = probe_context(self.loaded.vocab_size)
+        if self._probe_session is None:  # new_sequence on the model thread, as a request's session is made
+            self._probe_session = kv_sessions(self.loaded)()
+            self._draft_alone(_Request("cost-probe", 0, EMPTY_HASH, context, 1, SamplingParams(), 0,
+                                       probe_session=self._probe_session))
+            return None
+        context_hash = TokenHistory(context).hash_at(len(context))
+        return timed(self._draft_alone, _Request("cost-probe", len(context), context_hash, [], PROBE_DRAFTS,
+                                                 SamplingParams(), 0, probe_session=self._probe_session))
+
+    def _draft_alone(self, request: _Request) -> None:
+        """Draft a probe's k tokens, one step at a time with no other row (called holding the model lock)."""
+        self._sync(request)
+        while not request.finished:
+            self._draft_together([request])
+        if request.error is not None:
+            raise request.error
+
+    def _drop_probe_session(self) -> None:
+        self._probe_session = None  # its KV cache goes with it (the engine frees a dropped sequence)

@@ -30,7 +30,9 @@ class Proposer(Protocol):
 
     description: ModelDescription  # what Info reports about the drafter's model
     sessions: SessionStore
-    draft_per_token_s: float  # measured by warm_up: the coordinator's prior for its draft length policy
+    # The coordinator's prior for its draft length policy: cached, or measured after warm_up (0 until then, and for
+    # proposers with nothing worth measuring).
+    draft_per_token_s: float
 
     def propose(self, session_id: str, base_length: int, base_hash: int, new_tokens: list[int], k: int,
                 params: SamplingParams, seed: int, is_active: Callable[[], bool] = lambda: True) -> Proposal:
@@ -41,4 +43,5 @@ class Proposer(Protocol):
         """Forget a session; False when it was not held."""
 
     def warm_up(self) -> None:
-        """Make the first proposals before serving, and measure draft_per_token_s."""
+        """Make the first proposals before serving; set draft_per_token_s when cached, else start measuring it in the
+        background (a proposer that does stops it in stop_background_work)."""

@@ -8,7 +8,9 @@ Each layer adds one thing to the one below, measured in the same process run on 
                 prompt's prefill each way: the engine's passes of at most 31 tokens against the loop's one pass
     verifier    + VerifyEngine: session sync, history hashing, batching queue, model-thread hand-off, accept/reject
     grpc        + protobuf and gRPC to a verifier subprocess on loopback (the server's threads, the client's stub)
-    coordinator + the coordinator's loop: retries, breakers, fleet, incremental detokenisation (a full generation)
+    grpc stream the same steps as one Decode stream (target-only decoding's wire form): the time between tokens
+    coordinator + the coordinator's loop: retries, breakers, fleet, incremental detokenisation (a full generation,
+                target-only: streamed)
     hf          HF transformers' own generate() per token on the same model and kernels (transformers engine only)
 
 and, with --drafts K, a verify of K drafts in VerifyEngine against one forward over the same K + 1 tokens on a KV
@@ -170,6 +172,13 @@ def profile_served(args, prompt: list[int]) -> dict:
 
             grpc_step()
             results = {"grpc": median_ms(timed_steps(grpc_step, args.steps))}
+            # The same steps as one Decode stream (what target-only decoding sends): the time between tokens.
+            arrivals = []
+            for _ in remote.stub.Decode(pb.DecodeRequest(session_id="profile-stream", context=pb.ContextSync(
+                    base_length=0, base_hash=EMPTY_HASH, new_tokens=list(prompt)), max_tokens=args.steps + 2),
+                    timeout=600):
+                arrivals.append(time.perf_counter())
+            results["grpc stream"] = median_ms([b - a for a, b in zip(arrivals[1:], arrivals[2:])])
             remote.close()
             with Coordinator(worker.address) as coordinator:
                 options = GenerationOptions(max_new_tokens=args.steps + 1, draft_tokens=0, chat=False)

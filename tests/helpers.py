@@ -32,6 +32,19 @@ def reference_greedy(model, prompt: list[int], max_new_tokens: int, eos_ids=()) 
     return out
 
 
+def wait_for_costs(address: str, role: str, timeout_s: float = 30.0):
+    """The Info of the worker at `address` once it reports its costs. A worker whose costs are not cached (any tiny
+    test model) measures them in the background after SERVING: tests whose outcome depends on the coordinator's cost
+    prior (a seeded sampled generation repeats only with it) wait for them, as a coordinator sees them only later."""
+    from coordinator.worker_client import RemoteWorker
+
+    worker = RemoteWorker(address, role)
+    try:
+        return worker.wait_costs(timeout_s)
+    finally:
+        worker.close()
+
+
 # ------------------------------------------------------------------------------------------------- the real CLIs
 # Command lines written down outside the code (deploy/'s manifests, README.md's shell blocks) are checked against the
 # real command-line parsers, in-process through the same `main(argv)` that `python -m <module>` calls (a subprocess

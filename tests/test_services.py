@@ -11,28 +11,33 @@ from coordinator.worker_client import RemoteWorker
 from drafter.service import run_server as run_drafter
 from specmesh.wire.history import EMPTY_HASH, history_hash
 from specmesh.v1 import specmesh_pb2 as pb
-from tests.helpers import reference_greedy
+from tests.helpers import reference_greedy, wait_for_costs
 from verifier.service import run_server as run_verifier
 
 PROMPT_TEXT = "def fibonacci(n):\n    "
 MAX_NEW = 40
 
 
+# Each worker has measured its costs (in the background, after SERVING) before a coordinator reads them: a seeded sampled
+# generation repeats itself only with the same cost prior.
 @pytest.fixture(scope="module")
 def verifier(tiny_target):
     with run_verifier(tiny_target, port=0) as server:
+        wait_for_costs(server.address, "verifier")
         yield server
 
 
 @pytest.fixture(scope="module")
 def same_drafter(tiny_target):
     with run_drafter(tiny_target, port=0) as server:
+        wait_for_costs(server.address, "drafter")
         yield server
 
 
 @pytest.fixture(scope="module")
 def unrelated_drafter(tiny_unrelated_draft):
     with run_drafter(tiny_unrelated_draft, port=0) as server:
+        wait_for_costs(server.address, "drafter")
         yield server
 
 

@@ -23,8 +23,8 @@ from specmesh.runtime.engine import ModelEngine, as_engine
 from specmesh.wire.contract import Cancelled
 from specmesh.wire.history import EMPTY_HASH, TokenHistory
 from specmesh.worker.batch_window import wait_for_active_sessions
-from specmesh.worker.cost_probe import (PROBE_DRAFTS, PROBE_VERIFY_DRAFTS, cached_costs, cost_cache_key, fastest_runs,
-                                        probe_context)
+from specmesh.worker.cost_probe import (PROBE_DRAFTS, PROBE_VERIFY_DRAFTS, BackgroundCostProbe, RequestActivity,
+                                        costs_now_or_in_background, probe_context, timed)
 from specmesh.worker.role import ModelDescription
 from specmesh.worker.session_store import Session, SessionLimits, SessionStore, kv_sessions
 from verifier.config import BatchingConfig
@@ -47,6 +47,9 @@ class _Request:
     params: SamplingParams
     seed: int
     is_active: Callable[[], bool] | None = None  # False once the caller has gone (cancelled, deadline passed)
+    # A cost probe's session, kept outside the store: the probe adds no session to Info's count, evicts none and is
+    # no traffic (neither in the metrics nor a session the batch window waits for).
+    probe_session: Session | None = field(default=None, repr=False)
     done: bool = False
     outcome: VerifyOutcome | None = None
     error: BaseException | None = None
@@ -71,7 +74,12 @@ class VerifyEngine:
         self._queue: deque[_Request] = deque()
         self._answered_at: dict[str, float] = {}  # session -> when it last got an answer (monotonic)
         self._last_pass_s = 0.0
-        self.verify_costs: tuple[tuple[int, float], ...] = ()  # (drafts, seconds), measured by warm_up
+        # (drafts, seconds): cached, or measured in the background after warm-up; () until then. Replaced whole, never
+        # changed in place: whoever reads it sees no curve or all of it.
+        self.verify_costs: tuple[tuple[int, float], ...] = ()
+        self._activity = RequestActivity()  # when the background cost probe may run
+        self._cost_probe: BackgroundCostProbe | None = None
+        self._probe_session: Session | None = None  # the cost probe's, while it measures
 
     def verify(self, session_id: str, base_length: int, base_hash: int, new_tokens: list[int],
                drafts: list[int], dists: list[SparseDist], params: SamplingParams, seed: int,
@@ -79,14 +87,15 @@ class VerifyEngine:
         """`is_active`: checked when the request's turn comes; a caller that has gone by then costs no forward pass."""
         request = _Request(session_id, base_length, base_hash, list(new_tokens), list(drafts), list(dists), params,
                            seed, is_active)
-        with self._arrived:
-            self._queue.append(request)
-            self._arrived.notify_all()
-        while not request.done:
-            with self._model_lock:
-                if not request.done:  # else another caller ran it while we waited for the model
-                    # Syncing, the forward pass and acceptance all on the model's thread: no torch work on this one.
-                    self.loaded.run_on_model_thread(self._run_batch, self._take_batch())
+        with self._activity.request():
+            with self._arrived:
+                self._queue.append(request)
+                self._arrived.notify_all()
+            while not request.done:
+                with self._model_lock:
+                    if not request.done:  # else another caller ran it while we waited for the model
+                        # Syncing, the forward pass and acceptance all on the model's thread: no torch work on this one.
+                        self.loaded.run_on_model_thread(self._run_batch, self._take_batch())
         if request.error is not None:
             raise request.error
         assert request.outcome is not None
@@ -132,8 +141,12 @@ class VerifyEngine:
     def _sync(self, request: _Request) -> bool:
         """Bring the request's session up to the client's history; a request that cannot be synced fails alone."""
         try:
-            request.session = self.sessions.synced(request.session_id, request.base_length, request.base_hash,
-                                                   request.new_tokens)
+            if request.probe_session is not None:
+                request.probe_session.history.apply_sync(request.base_length, request.base_hash, request.new_tokens)
+                request.session = request.probe_session
+            else:
+                request.session = self.sessions.synced(request.session_id, request.base_length, request.base_hash,
+                                                       request.new_tokens)
         except Exception as e:  # ResyncRequired, ValueError: answered to this caller only
             request.error = e
             return False
@@ -161,7 +174,9 @@ class VerifyEngine:
                 request.error = e
             return
         self._last_pass_s = time.monotonic() - started
-        metrics.VERIFY_BATCH_SIZE.observe(len(group))
+        traffic = [r for r in group if r.probe_session is None]
+        if traffic:
+            metrics.VERIFY_BATCH_SIZE.observe(len(traffic))
         for request, target_logits in zip(group, all_logits):
             try:
                 verdict = decide(request.drafts, request.dists, target_logits, request.params, request.seed,
@@ -175,8 +190,9 @@ class VerifyEngine:
             session.history.extend([*request.drafts[:verdict.accepted], verdict.next_token])
             request.outcome = VerifyOutcome(verdict, len(session.history))
             request.done = True
-            with self._queue_lock:
-                self._answered_at[request.session_id] = time.monotonic()
+            if request.probe_session is None:
+                with self._queue_lock:
+                    self._answered_at[request.session_id] = time.monotonic()
 
     def end_session(self, session_id: str) -> bool:
         """Forget a session: its KV cache, and that it may come back soon (no pass waits for it)."""
@@ -186,7 +202,9 @@ class VerifyEngine:
 
     def warm_up(self) -> None:
         """Run one single and, when batching is on, one batched verification so the first real calls are not slow;
-        then measure what a verify costs (the coordinator's prior for its draft length policy)."""
+        then report the costs cached for this model and machine, or start measuring them in the background (the
+        coordinator's prior for its draft length policy; see specmesh/worker/cost_probe.py)."""
+        self.stop_background_work()  # a warm-up again measures again: one probe at a time
         self.verify("warm-up", 0, EMPTY_HASH, [0, 1, 2, 3], [4, 5], [], SamplingParams(), 0)
         if self.max_batch_size > 1:
             pair = [_Request(f"warm-up-{i}", 0, EMPTY_HASH, [0, 1, 2 + i], [4], [], SamplingParams(), 0)
@@ -198,7 +216,18 @@ class VerifyEngine:
                     raise request.error
                 self.end_session(request.session_id)
         self.end_session("warm-up")
-        costs = cached_costs(cost_cache_key("verifier", self.loaded), lambda: [list(c) for c in self._measure_costs()])
+        probes = {k: (lambda k=k: self._probe_verify(k)) for k in PROBE_VERIFY_DRAFTS}
+        self._cost_probe = costs_now_or_in_background(
+            "verifier", self.loaded, self._activity, probes, publish=self._publish_costs,
+            to_costs=lambda seconds: [[k, s] for k, s in sorted(seconds.items())], finish=self._drop_probe_session)
+
+    def stop_background_work(self) -> None:
+        """Stop measuring the costs, if it still is (within one probe call): for the server's stop."""
+        if self._cost_probe is not None:
+            self._cost_probe.stop()
+
+    def _publish_costs(self, costs) -> None:
+        """Costs as cached (JSON: [[drafts, seconds], ...]): Info reports them from now on."""
         self.verify_costs = tuple((int(k), float(s)) for k, s in costs)
 
     @property
@@ -213,16 +242,29 @@ class VerifyEngine:
         costs = dict(self.verify_costs)
         return max(costs[PROBE_DRAFTS] - costs[0], 0.0) / PROBE_DRAFTS if costs else 0.0
 
-    def _measure_costs(self) -> tuple[tuple[int, float], ...]:
-        """Seconds of a verify with each of PROBE_VERIFY_DRAFTS drafts, on a short context. Every probe verifies from
-        the same context (the session rolls back to it), so the probe stays within any context limit."""
+    def _probe_verify(self, drafts: int) -> float | None:
+        """One call of the cost probe (specmesh/worker/cost_probe.py's BackgroundCostProbe): the seconds of a verify
+        with `drafts` drafts on the probe context, holding the model like a request, in a pass of its own (never
+        batched with requests); None when it prefilled that context instead (the first call). Every probe verifies
+        from the same context (the session rolls back to it), so the probe stays within any context limit."""
+        with self._model_lock:
+            return self.loaded.run_on_model_thread(self._probe_verify_on_model_thread, drafts)
+
+    def _probe_verify_on_model_thread(self, drafts: int) -> float | None:
         context = probe_context(self.loaded.vocab_size)
-        self.verify("cost-probe", 0, EMPTY_HASH, context, [], [], SamplingParams(), 0)
+        if self._probe_session is None:  # new_sequence on the model thread, as a request's session is made
+            self._probe_session = kv_sessions(self.loaded)()
+            self._run_probe(_Request("cost-probe", 0, EMPTY_HASH, context, [], [], SamplingParams(), 0,
+                                     probe_session=self._probe_session))
+            return None
         context_hash = TokenHistory(context).hash_at(len(context))
+        return timed(self._run_probe, _Request("cost-probe", len(context), context_hash, [], [1] * drafts, [],
+                                               SamplingParams(), 0, probe_session=self._probe_session))
 
-        def verify(drafts: int) -> None:
-            self.verify("cost-probe", len(context), context_hash, [], [1] * drafts, [], SamplingParams(), 0)
+    def _run_probe(self, request: _Request) -> None:
+        self._run_batch([request])
+        if request.error is not None:
+            raise request.error
 
-        seconds = fastest_runs({k: (lambda k=k: verify(k)) for k in PROBE_VERIFY_DRAFTS})
-        self.end_session("cost-probe")
-        return tuple(sorted(seconds.items()))
+    def _drop_probe_session(self) -> None:
+        self._probe_session = None  # its KV cache goes with it (the engine frees a dropped sequence)

@@ -6,8 +6,8 @@ that return the whole function each turn (`edit`), a JSON tool-call loop (`tools
 quoted answers (`document`); `prose` is the control, where nothing repeats. Each turn is one chat request, streamed,
 greedy (temperature 0), `--max-tokens` at most; the reply is appended to that mode's own history before the next turn.
 
-Fairness: every mode gets workers of its own, all started at the beginning, one at a time (each worker's warm-up cost
-probe then runs on a quiet machine): a verifier (its own prefix cache), and its own drafters (a model drafter, and
+Fairness: every mode gets workers of its own, all started at the beginning, one at a time (each worker's cost probe,
+which runs once it is SERVING, then runs on a quiet machine): a verifier (its own prefix cache), and its own drafters (a model drafter, and
 fresh suffix trees or an n-gram drafter), then one `coordinator serve` per mode pointing at them. Modes:
 
     target-only  the verifier alone (`--draft-tokens 0`): the baseline every ratio is taken against
@@ -289,7 +289,8 @@ def mode_servers(args: argparse.Namespace, modes: list[str], log_dir: Path) -> I
             addresses[mode] = {}
             for kind, spec in worker_specs(args, mode):
                 progress(f"{mode}: starting {kind} {spec.model}")
-                started = stack.enter_context(local_workers([spec], progress=False))
+                # One at a time: its cost probe has run (on a quiet machine) before the next worker starts.
+                started = stack.enter_context(local_workers([spec], progress=False, one_at_a_time=True))
                 addresses[mode][kind] = started[spec.role]
         servers = {}
         for mode in modes:  # started together: nothing measures while they load

@@ -32,6 +32,11 @@ def use_main_thread() -> None:
     _main_queue = _main_queue or queue.SimpleQueue()
 
 
+def uses_main_thread() -> bool:
+    """Whether model threads run their work on the main thread (use_main_thread was called)."""
+    return _main_queue is not None
+
+
 def serve_on_main_thread(stop: threading.Event, poll_s: float = 0.2) -> None:
     """Run queued work on this (the main) thread until `stop` is set."""
     if _main_queue is None:

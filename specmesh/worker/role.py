@@ -52,7 +52,9 @@ class WorkerEngine(Protocol):
     sessions: SessionStore  # counted and sized for Info and the metrics
 
     def warm_up(self) -> None:
-        """Run the first (slow) calls before the worker reports SERVING, and measure what the role's Info reports."""
+        """Run the first (slow) calls before the worker reports SERVING. What the role's Info reports of its costs is
+        set here when cached, else measured on a thread of the engine's own after warm-up (specmesh/worker/
+        cost_probe.py): engines that start one have stop_background_work(), which ends it."""
 
     def end_session(self, session_id: str) -> bool:
         """Forget a session; False when it was not held."""

@@ -290,7 +290,9 @@ class WorkerServer:
         log.info("%s stopping: %d call(s) in flight get %g s to finish", self.role.name, self._calls, grace or 0.0)
         try:
             for step in (lambda: metrics.unregister_state(f"{self.role.name}:{self.port}"),
-                         self.health.enter_graceful_shutdown):
+                         self.health.enter_graceful_shutdown,
+                         # A background cost probe (specmesh/worker/cost_probe.py) ends with the server.
+                         lambda: getattr(self.engine, "stop_background_work", lambda: None)()):
                 try:
                     step()
                 except Exception:  # not worth a server that never stops

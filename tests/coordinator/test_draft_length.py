@@ -198,6 +198,66 @@ def test_the_prior_counts_round_trips_in_whole_milliseconds():
     assert cost_prior(SimpleNamespace(verify_base_s=0.0, verify_per_draft_s=0.0), drafter) is None
 
 
+def test_no_prior_while_a_worker_running_a_model_has_not_measured_its_costs():
+    """Workers measure their costs after SERVING when they are not cached, and report 0 until then: the cost policy
+    then has no prior (it times its own rounds), never one that prices a draft model's tokens at 0 s."""
+    verifier = SimpleNamespace(role="verifier", engine="ik", verify_base_s=0.4, verify_per_draft_s=0.05)
+    unmeasured_model = SimpleNamespace(role="drafter", engine="ik", draft_per_token_s=0.0)
+    assert cost_prior(verifier, unmeasured_model) is None
+    assert cost_prior(replace_info(verifier, verify_base_s=0.0, verify_per_draft_s=0.0),
+                      replace_info(unmeasured_model, draft_per_token_s=0.1)) is None
+    no_model = SimpleNamespace(role="drafter", engine="", draft_per_token_s=0.0)  # n-gram, suffix: nothing to measure
+    assert cost_prior(verifier, no_model).draft_s_per_token == 0.0
+    # Without a prior from workers that report none, the cost policy starts from the heuristic's k and never rules
+    # drafting out before a round.
+    length = DraftLength(policy="cost", prior=cost_prior(verifier, unmeasured_model))
+    assert length.first() == DraftLength.initial and length.drafting_off() is None
+    assert length.next(length.first(), [RoundRecord(0, 0, 0.0, 0.5), RoundRecord(4, 4, 0.2, 0.3)]) == 6
+    # While they are still measuring them, it drafts nothing (it never drafts blind); the heuristic still drafts.
+    pending = DraftLength(policy="cost", prior=None, costs_pending=True)
+    assert str(pending.drafting_off()).startswith("drafting off: the workers have not measured their costs yet")
+    assert DraftLength(policy="heuristic", costs_pending=True).drafting_off() is None
+
+
+def replace_info(info: SimpleNamespace, **fields) -> SimpleNamespace:
+    return SimpleNamespace(**{**vars(info), **fields})
+
+
+def test_the_coordinator_reads_the_costs_again_until_the_workers_report_them():
+    """A coordinator that connected before its workers measured their costs reads their Info again before a
+    generation, at most every COST_REFRESH_S, until they report them; then the generations start from the prior."""
+    from coordinator import api
+    from coordinator.worker_client import WorkerError
+
+    measured = SimpleNamespace(role="verifier", engine="ik", verify_base_s=0.4, verify_per_draft_s=0.05)
+    answers = iter([WorkerError("verifier: Info failed: DEADLINE_EXCEEDED"),
+                    replace_info(measured, verify_base_s=0.0, verify_per_draft_s=0.0), measured])
+    reads = []
+
+    def info(timeout_s):
+        reads.append(timeout_s)
+        answer = next(answers)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    pool = SimpleNamespace(first_serving=lambda: SimpleNamespace(address="v:1", info=info))
+    coordinator = api.Coordinator.__new__(api.Coordinator)  # the costs only: no workers
+    vars(coordinator).update(
+        verifier_info=replace_info(measured, verify_base_s=0.0, verify_per_draft_s=0.0),
+        drafter_info=SimpleNamespace(role="drafter", engine="", draft_per_token_s=0.0), suffix_drafter_info=None,
+        verifiers=pool, drafters=None, suffix_drafters=None, round_trip_s={}, _model_round_trip_s={},
+        _costs_read_at=time.monotonic(), _costs_lock=api.threading.Lock())
+    coordinator._set_cost_priors()
+    assert coordinator.cost_prior is None and coordinator.costs_pending()
+    for wait, expected_reads in ((1.0, 0), (api.COST_REFRESH_S, 1), (api.COST_REFRESH_S, 2), (1.0, 2),
+                                 (api.COST_REFRESH_S, 3), (api.COST_REFRESH_S, 3)):
+        coordinator._costs_read_at -= wait  # as if `wait` seconds had passed since the last read
+        coordinator._refresh_costs()
+        assert len(reads) == expected_reads, (wait, reads)
+    assert not coordinator.costs_pending() and coordinator.cost_prior.verify_s_base == 0.4
+
+
 def test_round_trip_is_the_fastest_health_check():
     delays = iter([0.3, 0.1, 0.2])  # far apart: a loaded machine oversleeps by some ms
 

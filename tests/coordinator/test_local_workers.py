@@ -1,4 +1,4 @@
-"""Spawned local workers: started together (generate) or one at a time (benchmarks: quiet warm-up cost probes)."""
+"""Spawned local workers: started together (generate) or one at a time (benchmarks: quiet cost probes)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import pytest
 
 import coordinator.local_workers as local_workers_module
 from coordinator.local_workers import LocalWorkerSpec, local_workers
+from coordinator.worker_client import RemoteWorker, measures_costs_later
 
 SPECS = [LocalWorkerSpec("verifier", "tiny-random-qwen2", "cpu", "float64", threads=1),
          LocalWorkerSpec("drafter", "tiny-random-qwen2", "cpu", "float64", threads=1)]
@@ -14,7 +15,7 @@ SPECS = [LocalWorkerSpec("verifier", "tiny-random-qwen2", "cpu", "float64", thre
 @pytest.fixture
 def events(monkeypatch) -> list[tuple[str, str]]:
     """What happened to the workers, in order: ("start", role) when a process is spawned, ("serving", role) once
-    the coordinator has seen it SERVING."""
+    the coordinator has seen it SERVING, ("costs", role) once it has seen its measured costs."""
     seen: list[tuple[str, str]] = []
 
     class Recorded(local_workers_module.LocalWorker):
@@ -26,6 +27,10 @@ def events(monkeypatch) -> list[tuple[str, str]]:
             super().wait_serving(*args, **kwargs)
             seen.append(("serving", self.spec.role))
 
+        def wait_costs(self, *args, **kwargs) -> None:
+            super().wait_costs(*args, **kwargs)
+            seen.append(("costs", self.spec.role))
+
     monkeypatch.setattr(local_workers_module, "LocalWorker", Recorded)
     return seen
 
@@ -36,7 +41,16 @@ def test_workers_start_together_by_default(events):
     assert events[:2] == [("start", "verifier"), ("start", "drafter")]
 
 
-def test_one_at_a_time_starts_each_worker_once_the_previous_one_serves(events):
+def test_one_at_a_time_starts_each_worker_once_the_previous_one_has_measured_its_costs(events):
+    """A worker measures its costs after SERVING (none are cached for a tiny model): the next one starts only then,
+    so that its loading does not disturb them, and every worker reports them once the workers are yielded."""
     with local_workers(SPECS, progress=False, one_at_a_time=True) as addresses:
         assert set(addresses) == {"verifier", "drafter"}
-    assert events == [("start", "verifier"), ("serving", "verifier"), ("start", "drafter"), ("serving", "drafter")]
+        for role, address in addresses.items():
+            worker = RemoteWorker(address, role)
+            try:
+                assert not measures_costs_later(worker.info())
+            finally:
+                worker.close()
+    assert events == [("start", "verifier"), ("serving", "verifier"), ("costs", "verifier"),
+                      ("start", "drafter"), ("serving", "drafter"), ("costs", "drafter")]

@@ -23,7 +23,7 @@ from specmesh.wire.history import EMPTY_HASH, ResyncRequired, TokenHistory, hist
 from specmesh.decoding.sampling import SamplingParams, SparseDist
 from specmesh.wire.contract import Cancelled
 from specmesh.v1 import specmesh_pb2 as pb
-from tests.helpers import reference_greedy
+from tests.helpers import reference_greedy, wait_for_costs
 from verifier.cli import main as verifier_main
 from verifier.service import run_server as run_verifier
 
@@ -140,6 +140,7 @@ REPETITIVE = "a" * 20
 @pytest.fixture(scope="module")
 def verifier(tiny_target):
     with run_verifier(tiny_target, port=0) as server:
+        wait_for_costs(server.address, "verifier")  # the cost prior of every generation (seeded runs repeat with it)
         yield server
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from coordinator.polling import wait_until
 from specmesh.runtime.engine import as_engine
 from specmesh.worker.config import ModelConfig, ServerConfig
 from specmesh.worker.cost_probe import PROBE_VERIFY_DRAFTS
@@ -32,6 +33,8 @@ def test_role_builds_a_verify_engine_with_its_settings_and_reports_measured_cost
     assert role.info_fields(engine) == {"verify_base_s": 0.0, "verify_per_draft_s": 0.0,
                                         "verify_costs": []}  # not measured yet
     engine.warm_up()
+    # Not cached (a tiny test model has no model file): measured in the background after warm-up.
+    assert wait_until(lambda: engine.verify_costs, timeout_s=30)
     fields = role.info_fields(engine)
     assert fields["verify_base_s"] > 0 and fields["verify_per_draft_s"] >= 0
     # The cost curve at every probed draft count, the line's base among them.

@@ -1,11 +1,19 @@
-"""The warm-up cost probe both roles share."""
+"""The cost probe both roles share: what it measures, and how it measures in the background (only while the engine
+is idle, never timing a call a request arrived during, stopping promptly)."""
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
+
 import pytest
 
+from coordinator.polling import wait_until
 from specmesh.worker import cost_probe
-from specmesh.worker.cost_probe import PROBE_CONTEXT_LENGTH, fastest_runs, probe_context
+from specmesh.worker.cost_probe import (PROBE_CONTEXT_LENGTH, BackgroundCostProbe, RequestActivity,
+                                        costs_now_or_in_background, fastest_runs, probe_context, read_cached_costs,
+                                        write_cached_costs)
 
 
 def test_probe_context_is_fixed_and_within_the_vocabulary():
@@ -15,25 +23,166 @@ def test_probe_context_is_fixed_and_within_the_vocabulary():
     assert probe_context(0) == [0] * PROBE_CONTEXT_LENGTH  # no vocabulary: still a valid list
 
 
-def test_fastest_runs_takes_each_probes_fastest_run_and_interleaves_them(monkeypatch):
+def test_fastest_runs_takes_each_probes_fastest_run_and_interleaves_them():
     order: list[str] = []
-    durations = {"a": iter([5, 2, 9]), "b": iter([4, 7, 3])}  # each run's seconds, on a fake clock
-    now = [0]
+    durations = {"a": iter([5, 2, 9]), "b": iter([4, 7, 3])}  # the seconds each run reports
 
     def run(key: str):
-        def go() -> None:
+        def go() -> float:
             order.append(key)
-            now[0] += next(durations[key])
+            return next(durations[key])
         return go
 
-    monkeypatch.setattr(cost_probe.time, "perf_counter", lambda: now[0])
     assert fastest_runs({"a": run("a"), "b": run("b")}, repeats=3) == {"a": 2, "b": 3}
     assert order == ["a", "b"] * 3
 
 
 def test_fastest_runs_propagates_a_failing_probe():
-    def fail() -> None:
+    def fail() -> float:
         raise RuntimeError("probe failed")
 
     with pytest.raises(RuntimeError, match="probe failed"):
         fastest_runs({"x": fail})
+
+
+# ------------------------------------------------------------------------------------------------ in the background
+
+@pytest.fixture(autouse=True)
+def short_quiet(monkeypatch, tmp_path):
+    monkeypatch.setattr(cost_probe, "QUIET_BEFORE_PROBE_S", 0.02)
+    monkeypatch.setenv("SPECMESH_CACHE_DIR", str(tmp_path))
+
+
+class Probes:
+    """Probe calls that report scripted seconds (None: "only prepared"), and what happened to them."""
+
+    def __init__(self, seconds: dict[str, list[float | None]]) -> None:
+        self.seconds = {key: iter(values) for key, values in seconds.items()}
+        self.calls: list[str] = []
+        self.published: list[object] = []
+        self.finished = 0
+
+    def call(self, key: str):
+        def run() -> float | None:
+            self.calls.append(key)
+            return next(self.seconds[key])
+        return run
+
+    def background(self, activity: RequestActivity, keys, cache_key=None) -> BackgroundCostProbe:
+        return BackgroundCostProbe("test", activity, {key: self.call(key) for key in keys},
+                                   to_costs=lambda seconds: sorted(seconds.items()), publish=self.published.append,
+                                   cache_key=cache_key, finish=self.finish)
+
+    def finish(self) -> None:
+        self.finished += 1
+
+
+def test_measures_each_probe_its_fastest_of_three_then_publishes_and_caches():
+    probes = Probes({"a": [None, 0.5, 0.2, 0.3], "b": [0.4, 0.1, 0.6]})  # a's first call only prepares
+    key = {"role": "test"}
+    probe = probes.background(RequestActivity(), ["a", "b"], key).start()
+    probe.thread.join(5)
+    assert not probe.thread.is_alive()
+    assert probes.published == [[("a", 0.2), ("b", 0.1)]]
+    assert read_cached_costs(key) == [["a", 0.2], ["b", 0.1]]  # as JSON: what a restart publishes at once
+    assert probes.calls == ["a", "a", "b"] + ["a", "b"] * 2 and probes.finished == 1
+
+
+def test_a_probe_call_waits_while_a_request_runs_and_one_a_request_arrived_during_is_made_again():
+    activity = RequestActivity()
+    arrive = []
+
+    def probe() -> float:
+        arrive.append(1)
+        if len(arrive) == 1:  # a request arrives while the first call runs: it waited, the timing is disturbed
+            with activity.request():
+                pass
+            return 0.001
+        return 0.5
+
+    published = []
+    with activity.request():  # a request in flight: the probe waits
+        background = BackgroundCostProbe("test", activity, {"a": probe}, to_costs=lambda s: s["a"],
+                                         publish=published.append, cache_key=None).start()
+        time.sleep(0.2)
+        assert arrive == []
+    background.thread.join(5)
+    assert published == [0.5], "the disturbed call's 0.001 s was not kept"
+    assert len(arrive) == 4  # three undisturbed calls, and the disturbed one again
+
+
+def test_stop_while_waiting_for_quiet_ends_at_once_and_publishes_nothing():
+    activity, probes = RequestActivity(), Probes({"a": [0.1] * 3})
+    with activity.request():
+        probe = probes.background(activity, ["a"]).start()
+        time.sleep(0.05)
+        started = time.monotonic()
+        probe.stop()
+        assert time.monotonic() - started < 1.0
+    assert not probe.thread.is_alive()
+    assert probes.calls == [] and probes.published == [] and probes.finished == 1
+
+
+def test_stop_during_a_probe_call_waits_for_that_call_only():
+    activity, in_call, release = RequestActivity(), threading.Event(), threading.Event()
+    calls, published = [], []
+
+    def probe() -> float:
+        calls.append(1)
+        in_call.set()
+        release.wait(5)
+        return 0.1
+
+    background = BackgroundCostProbe("test", activity, {"a": probe}, to_costs=lambda s: s["a"],
+                                     publish=published.append, cache_key=None).start()
+    assert in_call.wait(5)
+    threading.Timer(0.2, release.set).start()
+    started = time.monotonic()
+    background.stop()
+    assert 0.1 < time.monotonic() - started < 3.0
+    assert not background.thread.is_alive() and calls == [1] and published == []
+
+
+def test_a_failing_probe_publishes_nothing_and_says_why(caplog):
+    def fail() -> float:
+        raise RuntimeError("no model")
+
+    published, finished = [], []
+    with caplog.at_level(logging.WARNING, logger=cost_probe.__name__):
+        probe = BackgroundCostProbe("test", RequestActivity(), {"a": fail}, to_costs=lambda s: s, cache_key=None,
+                                    publish=published.append, finish=lambda: finished.append(1)).start()
+        probe.thread.join(5)
+    assert published == [] and finished == [1]
+    assert "measuring the costs failed" in caplog.text and "no model" in caplog.text
+
+
+def test_cached_costs_are_published_at_once_without_a_thread(monkeypatch):
+    key = {"role": "test"}
+    monkeypatch.setattr(cost_probe, "cost_cache_key", lambda role, loaded: key)
+    write_cached_costs(key, 0.25)
+    probes = Probes({"a": []})
+    assert costs_now_or_in_background("test", None, RequestActivity(), {"a": probes.call("a")}, to_costs=float,
+                                      publish=probes.published.append) is None
+    assert probes.published == [0.25] and probes.calls == []
+    # Not cached: a thread measures, and its result is cached for the next start.
+    monkeypatch.setattr(cost_probe, "cost_cache_key", lambda role, loaded: {"role": "other"})
+    probes = Probes({"a": [0.3, 0.2, 0.4]})
+    background = costs_now_or_in_background("test", None, RequestActivity(), {"a": probes.call("a")},
+                                            to_costs=lambda s: s["a"], publish=probes.published.append)
+    assert background is not None and wait_until(lambda: not background.thread.is_alive(), 5)
+    assert probes.published == [0.2] and read_cached_costs({"role": "other"}) == 0.2
+
+
+def test_cached_costs_this_version_cannot_read_are_measured_again(monkeypatch, caplog):
+    key = {"role": "test"}
+    monkeypatch.setattr(cost_probe, "cost_cache_key", lambda role, loaded: key)
+    write_cached_costs(key, "not a number")
+    probes = Probes({"a": [0.3, 0.2, 0.4]})
+    def publish(costs) -> None:
+        probes.published.append(float(costs))  # ValueError for what is cached here
+
+    background = costs_now_or_in_background("test", None, RequestActivity(), {"a": probes.call("a")},
+                                            to_costs=lambda s: s["a"], publish=publish)
+    assert background is not None and wait_until(lambda: not background.thread.is_alive(), 5)
+    assert probes.published == [0.2] and read_cached_costs(key) == 0.2
+    assert "ignoring cached costs 'not a number'" in caplog.text

@@ -28,6 +28,7 @@ from specmesh.wire.history import EMPTY_HASH
 from specmesh.worker import lifeline, server as server_module
 from specmesh.worker.lifeline import SignalStop
 from specmesh.worker.server import WorkerServer, serving
+from tests.helpers import wait_for_costs
 from tests.specmesh.worker.test_server import FakeRole
 
 
@@ -358,6 +359,7 @@ def workers(tmp_path):
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_idle_worker_exits_on_the_signal_and_logs_it(workers, signum):
     worker = workers()
+    wait_for_costs(worker.address, "verifier")  # idle: done measuring its costs, which it does once SERVING
     status, took = worker.signal_and_time(signum, bound_s=10)
     log = worker.log()
     assert status == 0, log

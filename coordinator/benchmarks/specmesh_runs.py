@@ -33,6 +33,7 @@ def specmesh_row(result, prompt: dict, mode: Mode) -> dict:
                    "draft_s": round(sum(r.draft_s for r in steady), 4),
                    "verify_s": round(sum(r.verify_s for r in steady), 4)},
         "degraded_rounds": s["degraded_rounds"], "retries": s["retries"],
+        "draft_decision": s.get("draft_decision", ""),  # what the draft-length policy decided before the first round
         "finish_reason": result.finish_reason, "token_ids": result.token_ids, "text": result.text,
     }
 

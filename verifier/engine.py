@@ -26,7 +26,7 @@ from specmesh.worker.batch_window import wait_for_active_sessions
 from specmesh.worker.cost_probe import (PROBE_DRAFTS, PROBE_VERIFY_DRAFTS, BackgroundCostProbe, RequestActivity,
                                         costs_now_or_in_background, probe_context, timed)
 from specmesh.worker.role import ModelDescription
-from specmesh.worker.session_store import Session, SessionLimits, SessionStore, kv_sessions
+from specmesh.worker.session_store import Session, SessionLimits, SessionStore, kv_sessions, request_session
 from verifier.config import BatchingConfig
 
 
@@ -141,12 +141,7 @@ class VerifyEngine:
     def _sync(self, request: _Request) -> bool:
         """Bring the request's session up to the client's history; a request that cannot be synced fails alone."""
         try:
-            if request.probe_session is not None:
-                request.probe_session.history.apply_sync(request.base_length, request.base_hash, request.new_tokens)
-                request.session = request.probe_session
-            else:
-                request.session = self.sessions.synced(request.session_id, request.base_length, request.base_hash,
-                                                       request.new_tokens)
+            request.session = request_session(self.sessions, request)
         except Exception as e:  # ResyncRequired, ValueError: answered to this caller only
             request.error = e
             return False

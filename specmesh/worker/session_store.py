@@ -123,3 +123,13 @@ class SessionStore:
         with self._lock:
             self._sessions.expire()
             return len(self._sessions)
+
+
+def request_session(sessions: SessionStore, request) -> Session:
+    """The session a queued request runs on, synced with the client's history (`base_length`, `base_hash`,
+    `new_tokens`): a cost probe's own (`probe_session`, kept out of the store so that it counts as no session and
+    evicts none), else the store's. Raises ResyncRequired or ValueError for that request alone."""
+    if request.probe_session is not None:
+        request.probe_session.history.apply_sync(request.base_length, request.base_hash, request.new_tokens)
+        return request.probe_session
+    return sessions.synced(request.session_id, request.base_length, request.base_hash, request.new_tokens)

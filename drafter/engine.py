@@ -27,7 +27,7 @@ from specmesh.runtime.batched_forward import MAX_BATCHED_FRESH_TOKENS, fresh_len
 from specmesh.runtime.engine import ModelEngine, as_engine
 from specmesh.wire.contract import Cancelled
 from specmesh.wire.history import EMPTY_HASH, TokenHistory
-from specmesh.worker.batch_window import wait_for_active_sessions
+from specmesh.worker.batch_window import BatchTurns, wait_for_active_sessions
 from specmesh.worker.cost_probe import (PROBE_DRAFTS, BackgroundCostProbe, RequestActivity, costs_now_or_in_background,
                                         probe_context, timed)
 from specmesh.worker.role import ModelDescription
@@ -79,8 +79,7 @@ class DraftEngine:
         self.max_batch_size = min(batching.max_batch_size, loaded.max_batch_size)
         self.max_batch_wait_s = batching.max_batch_wait_s
         self._model_lock = threading.Lock()  # one draft step at a time: CPU threads are already all in use
-        self._turn = threading.Condition()  # notified when rows are answered or the stepping caller stops
-        self._stepping = False  # a caller is running steps (guarded by _turn)
+        self._turns = BatchTurns()  # one caller steps every drafting row; the others wait for their answers
         self._queue_lock = threading.Lock()
         self._arrived = threading.Condition(self._queue_lock)  # notified when a request is queued
         self._queue: deque[_Request] = deque()
@@ -106,25 +105,16 @@ class DraftEngine:
             self._arrived.notify_all()
 
     def _answer(self, request: _Request) -> Proposal:
-        while True:
-            with self._turn:
-                # Another caller may be stepping: wait until it has answered this request or stopped stepping.
-                self._turn.wait_for(lambda: request.done or not self._stepping)
-                if request.done:
-                    break
-                self._stepping = True
-            try:
-                with self._model_lock:
-                    # Every step's torch work (forward pass and sampling) on the model's thread, none on this one.
-                    self.loaded.run_on_model_thread(self._step_until_done, request)
-            finally:
-                with self._turn:
-                    self._stepping = False
-                    self._turn.notify_all()
+        self._turns.run_until_answered(lambda: request.done, lambda: self._step_on_model_thread(request))
         if request.error is not None:
             raise request.error
         assert request.proposal is not None
         return request.proposal
+
+    def _step_on_model_thread(self, request: _Request) -> None:
+        with self._model_lock:
+            # Every step's torch work (forward pass and sampling) on the model's thread, none on this one.
+            self.loaded.run_on_model_thread(self._step_until_done, request)
 
     # ------------------------------------------------------------------ one step for every drafting row
 
@@ -227,8 +217,7 @@ class DraftEngine:
                     self._answered_at[request.session_id] = now
             request.session = None
             request.done = True  # last: the caller may read the answer as soon as this is set
-        with self._turn:
-            self._turn.notify_all()
+        self._turns.answered_some()
         self.sessions.enforce_memory()
         if not self._drafting:
             self._last_busy_s = now - self._busy_since

@@ -143,7 +143,9 @@ def test_concurrent_generations_share_forward_passes_and_stay_exact(workers, met
     after = batch_histogram(metrics_port)
     assert outputs == [target_only(workers, p)["token_ids"] for p in PROMPTS]
     sessions, passes = after[0] - before[0], after[1] - before[1]
-    assert sessions / passes > 1.5, f"{sessions} verifications in {passes} forward passes: little batching"
+    # MAX_NEW + 1 passes at best (a first call may run alone); 35 before callers answered by another's pass stopped
+    # waiting for the model (specmesh/worker/batch_window.py's BatchTurns), 49-55 on a loaded machine.
+    assert passes <= MAX_NEW + 6, f"{sessions} verifications in {passes} forward passes: little batching"
 
 
 def test_concurrent_speculative_generations_stay_exact(workers):

@@ -22,7 +22,7 @@ from specmesh.runtime.batched_forward import MAX_BATCHED_FRESH_TOKENS, fresh_len
 from specmesh.runtime.engine import ModelEngine, as_engine
 from specmesh.wire.contract import Cancelled
 from specmesh.wire.history import EMPTY_HASH, TokenHistory
-from specmesh.worker.batch_window import wait_for_active_sessions
+from specmesh.worker.batch_window import BatchTurns, wait_for_active_sessions
 from specmesh.worker.cost_probe import (PROBE_DRAFTS, PROBE_VERIFY_DRAFTS, BackgroundCostProbe, RequestActivity,
                                         costs_now_or_in_background, probe_context, timed)
 from specmesh.worker.role import ModelDescription
@@ -69,6 +69,7 @@ class VerifyEngine:
         self.sessions = SessionStore(limits, kv_sessions(loaded))
         self.max_batch_size = min(batching.max_batch_size, loaded.max_batch_size)
         self._model_lock = threading.Lock()  # one forward pass at a time
+        self._turns = BatchTurns()  # one caller runs a batch for everyone queued; the others wait for their answers
         self._queue_lock = threading.Lock()
         self._arrived = threading.Condition(self._queue_lock)  # notified when a request is queued
         self._queue: deque[_Request] = deque()
@@ -91,15 +92,16 @@ class VerifyEngine:
             with self._arrived:
                 self._queue.append(request)
                 self._arrived.notify_all()
-            while not request.done:
-                with self._model_lock:
-                    if not request.done:  # else another caller ran it while we waited for the model
-                        # Syncing, the forward pass and acceptance all on the model's thread: no torch work on this one.
-                        self.loaded.run_on_model_thread(self._run_batch, self._take_batch())
+            self._turns.run_until_answered(lambda: request.done, self._run_queued)
         if request.error is not None:
             raise request.error
         assert request.outcome is not None
         return request.outcome
+
+    def _run_queued(self) -> None:
+        with self._model_lock:
+            # Syncing, the forward pass and acceptance all on the model's thread: no torch work on this one.
+            self.loaded.run_on_model_thread(self._run_batch, self._take_batch())
 
     def _take_batch(self) -> list[_Request]:
         """Up to max_batch_size queued requests, oldest first, at most one per session (a session's calls must run in

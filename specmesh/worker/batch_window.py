@@ -28,3 +28,37 @@ def wait_for_active_sessions(arrived: threading.Condition, queued_sessions: Call
         if len(queued) >= expected or remaining <= 0:
             return
         arrived.wait(remaining)
+
+
+class BatchTurns:
+    """Callers take turns running batches for everyone queued: one runs while the others wait, each until its own
+    request is answered (by whichever batch) or the model is free for it to run the next batch itself.
+
+    A caller answered by another's batch must not need the model to find out: blocked on the model's lock, it would
+    wait out the next batch (one the running caller starts at once, waiting in the batch window for exactly these
+    callers) before it could even return its answer. Measured on three concurrent 24-token Decode streams (1.5B
+    target, float32): 72 steps took 35 passes that way on an idle machine and 53 on a loaded one, against 25 (the
+    fewest: a first call runs alone) once waiting callers no longer needed the model."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()  # notified when requests are answered or a batch ends
+        self._running = False  # a caller is running a batch (guarded by _changed)
+
+    def run_until_answered(self, answered: Callable[[], bool], run_batch: Callable[[], None]) -> None:
+        while True:
+            with self._changed:
+                self._changed.wait_for(lambda: answered() or not self._running)
+                if answered():
+                    return
+                self._running = True
+            try:
+                run_batch()
+            finally:
+                with self._changed:
+                    self._running = False
+                    self._changed.notify_all()
+
+    def answered_some(self) -> None:
+        """Wake the callers whose requests a batch still running has answered."""
+        with self._changed:
+            self._changed.notify_all()

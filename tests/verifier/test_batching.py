@@ -22,6 +22,7 @@ from specmesh.decoding.sampling import SamplingParams
 from specmesh.wire.contract import Cancelled
 from tests.helpers import reference_greedy
 from verifier.config import BatchingConfig
+from verifier.decode_stream import DecodeSteps, decode_stream
 from verifier.engine import VerifyEngine
 from verifier.service import run_server as run_verifier
 
@@ -241,3 +242,45 @@ def test_concurrent_decode_streams_share_every_pass(tiny_target):
     assert [r.token_ids for r in results] == expected
     steps = max(len(r.token_ids) for r in results)
     assert passes <= steps + 3, f"{sum(len(r.token_ids) for r in results)} steps in {passes} passes"
+
+
+def test_a_streams_steps_run_back_to_back_on_the_model_thread(tiny_target):
+    """A Decode stream hands the model thread its first step only: each later step is queued on the model thread as
+    the previous one is answered, and runs there without a hand-off to the stream's thread and back."""
+    engine = batching_engine(tiny_target, 8)
+    handed_over = []
+    run_on_model_thread = engine.loaded.run_on_model_thread
+
+    def counting(fn, *args):
+        if threading.current_thread().name == "decode-stream":
+            handed_over.append(fn)
+        return run_on_model_thread(fn, *args)
+
+    engine.loaded.run_on_model_thread = counting
+    steps = DecodeSteps("s", 0, EMPTY_HASH, (5, 6, 7), 12, frozenset(), SamplingParams(), 0)
+    outcomes = list(decode_stream(engine, steps, lambda: True, lambda: None))
+    assert [o.verdict.next_token for o in outcomes] == reference_greedy(tiny_target.model, [5, 6, 7], 12)
+    assert [o.committed_length for o in outcomes] == list(range(4, 16))
+    assert len(handed_over) == 1, f"{len(handed_over)} hand-offs for 12 steps"
+
+
+def test_a_stream_stops_where_its_caller_has_gone_and_where_before_step_raises(tiny_target):
+    engine = batching_engine(tiny_target, 8)
+    steps = DecodeSteps("s", 0, EMPTY_HASH, (5, 6, 7), 12, frozenset(), SamplingParams(), 0)
+    calls = []
+
+    def stop_at_the_fourth() -> None:
+        calls.append(1)
+        if len(calls) == 4:
+            raise Cancelled("the verifier is stopping")
+
+    received = []
+    with pytest.raises(Cancelled):
+        for outcome in decode_stream(engine, steps, lambda: True, stop_at_the_fourth):
+            received.append(outcome)
+    assert len(received) == 3
+
+    active = iter([True] * 5 + [False] * 100)
+    gone = list(decode_stream(engine, DecodeSteps("t", 0, EMPTY_HASH, (5, 6), 12, frozenset(), SamplingParams(), 0),
+                              lambda: next(active), lambda: None))
+    assert 1 <= len(gone) < 12

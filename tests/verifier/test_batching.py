@@ -187,15 +187,14 @@ def test_a_caller_gone_while_queued_costs_no_forward_pass(tiny_target):
     assert len(engine.sessions) == 1, "the gone caller's session was never even created"
 
 
-def decode_steps(engine: VerifyEngine, session: str, prompt: list[int], steps: int,
-                 turnaround_s: float = 0.01) -> list[int]:
-    """Target-only decoding through `engine`, syncing deltas like the coordinator, each call `turnaround_s` after the
-    last answer (the network and the coordinator's turnaround; 0: a Decode stream's next step)."""
+def decode_steps(engine: VerifyEngine, session: str, prompt: list[int], steps: int) -> list[int]:
+    """Target-only decoding through `engine`, syncing deltas like the coordinator, each call 10 ms after the last
+    answer (the network and the coordinator's turnaround)."""
     history = list(prompt)
     sent = 0
     for step in range(steps):
         if step:
-            time.sleep(turnaround_s)
+            time.sleep(0.01)
         outcome = engine.verify(session, sent, history_hash(history[:sent]), history[sent:], [], [],
                                 SamplingParams(), 0)
         history.append(outcome.verdict.next_token)
@@ -219,10 +218,9 @@ def test_active_sessions_are_waited_for_instead_of_alternating(tiny_target):
 
 
 def test_concurrent_decode_streams_share_every_pass(tiny_target):
-    """Decode streams (target-only generations) call again the moment they are answered. The caller that ran a pass
-    is back first and starts the next batch, waiting in the window for the others: they must get their answers
-    without waiting for the model, or they miss that batch (measured on the real target before: 72 steps of three
-    streams in 35 passes instead of 25)."""
+    """Concurrent Decode streams (target-only generations) share every pass once they have started: no stream may miss
+    the next batch while another runs it (measured on the real target when waiting callers needed the model to learn
+    their answers: 72 steps of three streams in 35 passes instead of 25)."""
     prompts = [tiny_target.tokenizer(text)["input_ids"] for text in ("def fibonacci(n):", "Once upon a", "SELECT")]
     expected = [reference_greedy(tiny_target.model, p, 16, set(tiny_target.eos_token_ids)) for p in prompts]
     with run_verifier(tiny_target, port=0, max_batch_wait_s=0.5) as verifier, \

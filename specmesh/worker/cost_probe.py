@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from specmesh.runtime import model_thread
+from specmesh.worker.machine_load import OthersCpu, probe_turn
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,10 @@ PROBE_REPEATS = 3
 # another closely (the next step of a stream, a burst) is not held up by a probe that slipped in between them.
 QUIET_BEFORE_PROBE_S = 0.1
 STOP_WAIT_S = 10.0  # how long stopping waits for the probe call in flight (one call: far less on any model served)
+# A probe call during which other processes computed (machine_load.OthersCpu) is made again after this pause, for at
+# most BUSY_RETRY_S of such calls and pauses in all; past that, the costs are measured on the busy machine (logged).
+BUSY_PAUSE_S = 0.5
+BUSY_RETRY_S = 20.0
 
 Key = TypeVar("Key")
 
@@ -95,6 +100,13 @@ def _cache_path(key: dict):
     from specmesh.runtime.catalog import cache_dir
 
     return cache_dir() / "costs" / f"{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]}.json"
+
+
+def _turns_path():
+    """The lock file whose turns every worker's probe calls on this machine take (machine_load.probe_turn)."""
+    from specmesh.runtime.catalog import cache_dir
+
+    return cache_dir() / "costs" / "probe.lock"
 
 
 def read_cached_costs(key: dict | None) -> Any | None:
@@ -194,7 +206,9 @@ class BackgroundCostProbe:
     at most ONE probe call, the one holding the model when it arrives (then the probe waits for quiet again): a
     verify of up to max(PROBE_VERIFY_DRAFTS) drafts on a PROBE_CONTEXT_LENGTH-token context, or a proposal of
     PROBE_DRAFTS tokens on it; the first call prefills that context instead. Each key runs PROBE_REPEATS times
-    (fastest_runs), so a measurement is 1 + PROBE_REPEATS * len(probes) calls, and more only where requests came.
+    (fastest_runs), so a measurement is 1 + PROBE_REPEATS * len(probes) calls, and more only where requests came or
+    other processes computed during a call (machine_load: the probes of the workers on one machine take turns, and
+    a call that shared the cores is made again, within BUSY_RETRY_S).
 
     `to_costs` turns {key: seconds} into what is cached and published (JSON-able), `finish` (always called, on the
     thread, at the end) drops what the probe calls kept (their session). stop() ends it promptly: a probe call in
@@ -202,8 +216,14 @@ class BackgroundCostProbe:
 
     def __init__(self, role: str, activity: RequestActivity, probes: Mapping[Key, Callable[[], float | None]],
                  to_costs: Callable[[dict[Key, float]], Any], publish: Callable[[Any], None],
-                 cache_key: dict | None, finish: Callable[[], None] = lambda: None) -> None:
+                 cache_key: dict | None, finish: Callable[[], None] = lambda: None,
+                 others_cpu: Callable[[], OthersCpu] | None = None) -> None:
         self.role = role
+        # What other processes did during a probe call (tests give their own).
+        self._others_cpu = others_cpu if others_cpu is not None else OthersCpu
+        self._busy_s = 0.0  # spent on calls made again because other processes computed, and the pauses after them
+        self._warned_busy = False
+        self.busy_calls = 0  # calls made again because other processes computed
         self._activity = activity
         self._probes = probes
         self._to_costs = to_costs
@@ -244,18 +264,35 @@ class BackgroundCostProbe:
             self._finish()
         self._publish(costs)
         write_cached_costs(self._cache_key, costs)
-        log.info("%s: costs measured in the background in %.1f s: %s", self.role, time.monotonic() - started, costs)
+        log.info("%s: costs measured in the background in %.1f s%s: %s", self.role, time.monotonic() - started,
+                 f" ({self.busy_calls} calls made again: other processes computed)" if self.busy_calls else "", costs)
 
     def _undisturbed(self, probe: Callable[[], float | None]) -> Callable[[], float]:
-        """The probe call as fastest_runs runs it: made (again) until it has measured with no request around."""
+        """The probe call as fastest_runs runs it: made (again) until it has measured with no request around, in this
+        machine's probe turn (the other workers' probes wait), and with no other process computing meanwhile, as far
+        as the BUSY_RETRY_S budget goes (see machine_load)."""
         def run() -> float:
             while True:
                 arrivals = self._activity.wait_until_quiet(QUIET_BEFORE_PROBE_S, self._stopped)
                 if arrivals is None:
                     raise ProbeStopped
-                seconds = probe()
-                if seconds is not None and self._activity.arrivals == arrivals:
+                with probe_turn(_turns_path()), self._others_cpu() as others:
+                    seconds = probe()
+                if seconds is None or self._activity.arrivals != arrivals:
+                    continue
+                if not others.busy:
                     return seconds
+                if self._busy_s + others.wall_s + BUSY_PAUSE_S > BUSY_RETRY_S:
+                    if not self._warned_busy:
+                        log.warning("%s: other processes kept computing while its costs were measured (%.2f CPU s "
+                                    "in a %.2f s call): the costs may read high", self.role, others.others_s,
+                                    others.wall_s)
+                        self._warned_busy = True
+                    return seconds
+                self._busy_s += others.wall_s + BUSY_PAUSE_S
+                self.busy_calls += 1
+                if self._stopped.wait(BUSY_PAUSE_S):
+                    raise ProbeStopped
         return run
 
 

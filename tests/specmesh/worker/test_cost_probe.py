@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass
 
 import pytest
 
@@ -68,10 +69,10 @@ class Probes:
             return next(self.seconds[key])
         return run
 
-    def background(self, activity: RequestActivity, keys, cache_key=None) -> BackgroundCostProbe:
+    def background(self, activity: RequestActivity, keys, cache_key=None, **options) -> BackgroundCostProbe:
         return BackgroundCostProbe("test", activity, {key: self.call(key) for key in keys},
                                    to_costs=lambda seconds: sorted(seconds.items()), publish=self.published.append,
-                                   cache_key=cache_key, finish=self.finish)
+                                   cache_key=cache_key, finish=self.finish, **options)
 
     def finish(self) -> None:
         self.finished += 1
@@ -109,6 +110,69 @@ def test_a_probe_call_waits_while_a_request_runs_and_one_a_request_arrived_durin
     background.thread.join(5)
     assert published == [0.5], "the disturbed call's 0.001 s was not kept"
     assert len(arrive) == 4  # three undisturbed calls, and the disturbed one again
+
+
+class BusyFirst:
+    """Stands in for machine_load.OthersCpu: the first `calls` probe calls ran while another process computed."""
+
+    def __init__(self, calls: float) -> None:
+        self.left = calls
+
+    def __call__(self) -> "BusyFirst.Reading":
+        self.left -= 1
+        return BusyFirst.Reading(busy=self.left >= 0)
+
+    @dataclass
+    class Reading:
+        busy: bool
+        wall_s: float = 0.0
+        others_s: float = 1.0
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc) -> None:
+            pass
+
+
+def test_a_probe_call_made_while_another_process_computed_is_made_again(monkeypatch):
+    monkeypatch.setattr(cost_probe, "BUSY_PAUSE_S", 0.01)
+    probes = Probes({"a": [0.9, 0.8, 0.2, 0.3, 0.4]})  # the two calls beside another process read slow
+    probe = probes.background(RequestActivity(), ["a"], others_cpu=BusyFirst(2)).start()
+    probe.thread.join(5)
+    assert probes.published == [[("a", 0.2)]] and len(probes.calls) == 5 and probe.busy_calls == 2
+
+
+def test_a_machine_that_stays_busy_delays_the_costs_by_the_budget_only_and_says_so(monkeypatch, caplog):
+    monkeypatch.setattr(cost_probe, "BUSY_PAUSE_S", 0.02)
+    monkeypatch.setattr(cost_probe, "BUSY_RETRY_S", 0.05)  # two calls made again fit in it, not a third
+    probes = Probes({"a": [0.9, 0.8, 0.7, 0.6, 0.5]})
+    with caplog.at_level(logging.WARNING, logger=cost_probe.__name__):
+        probe = probes.background(RequestActivity(), ["a"], others_cpu=BusyFirst(float("inf"))).start()
+        probe.thread.join(5)
+    assert probes.published == [[("a", 0.5)]] and len(probes.calls) == 5 and probe.busy_calls == 2
+    assert [r.getMessage() for r in caplog.records].count(
+        "test: other processes kept computing while its costs were measured (1.00 CPU s in a 0.00 s call): the "
+        "costs may read high") == 1
+
+
+def test_the_probes_of_one_machine_take_turns(monkeypatch):
+    """Two workers' probes (here two in one process, as in tests and embeddings): never two calls at once."""
+    running, overlaps = [], []
+
+    def call() -> float:
+        running.append(1)
+        overlaps.append(len(running) > 1)
+        time.sleep(0.02)
+        running.pop()
+        return 0.1
+
+    first, second = (BackgroundCostProbe(name, RequestActivity(), {"a": call, "b": call}, to_costs=dict,
+                                         publish=lambda costs: None, cache_key=None, others_cpu=BusyFirst(0))
+                     for name in ("one", "two"))
+    first.start(), second.start()
+    first.thread.join(5), second.thread.join(5)
+    assert len(overlaps) == 12 and not any(overlaps)
 
 
 def test_stop_while_waiting_for_quiet_ends_at_once_and_publishes_nothing():

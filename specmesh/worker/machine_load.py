@@ -5,7 +5,8 @@ A worker's measured costs are the cost policy's prior: a probe call timed while 
 worker of the pair loading or measuring its own costs: both start together, `make run` and `coordinator bench` start
 them so) reads slow, and the policy then prices target-only decoding too high and drafts where drafting loses. Measured
 on 2 cores, transformers bfloat16: the 1.5B verifier alone, 253 ms a one-token pass; with the 0.5B drafter measuring at
-the same time, 305 ms, and 358 ms once while the drafter loaded; the drafter's 116 ms a token read 411-564 ms. So the
+the same time, 305 ms (and 358 ms in one bench run whose steps then took 255 ms); the drafter's 96-116 ms a token
+read 411-564 ms beside the verifier. So the
 probes of one machine take turns (probe_turn: a lock file in the specmesh cache), and a call during which other
 processes used a fair share of a core is made again (OthersCpu).
 """

@@ -13,13 +13,14 @@ processes used a fair share of a core is made again (OthersCpu).
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
+
+from specmesh.runtime.catalog import file_lock
 
 log = logging.getLogger(__name__)
 
@@ -76,18 +77,12 @@ class OthersCpu:
 
 @contextmanager
 def probe_turn(lock_path) -> Iterator[None]:
-    """Hold this machine's probe turn: one probe call at a time among the workers that share `lock_path` (an exclusive
-    flock, released by the kernel if the holder dies). Without the lock file (a read-only cache), no turns."""
-    try:
-        lock_path.parent.mkdir(parents=True, exist_ok=True)
-        handle = open(lock_path, "a")
-    except OSError as e:
-        log.debug("no probe turns (%s): probing without them", e)
-        yield
-        return
-    with handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+    """Hold this machine's probe turn: one probe call at a time among the workers that share `lock_path` (the catalog's
+    inter-process file_lock, released by the kernel if the holder dies). Without the lock file (a read-only cache), no
+    turns."""
+    with ExitStack() as turn:
         try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+            turn.enter_context(file_lock(lock_path))
+        except OSError as e:
+            log.debug("no probe turns (%s): probing without them", e)
+        yield

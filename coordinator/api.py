@@ -27,6 +27,7 @@ from coordinator.fleet import WorkerPool
 from coordinator.hybrid_draft import HybridDraftSource
 from coordinator.loop import DraftLength, LoopConfig, LoopResult, speculative_decode
 from coordinator.record import Recorder
+from coordinator.stream_flush import DEFAULT_STREAM_FLUSH_S, MAX_STREAM_FLUSH_S
 from coordinator.channel import new_session_id
 from coordinator.resilience import NoWorkerAvailable, ResilienceConfig
 from coordinator.remote_sessions import DegradingDraftSession, FailoverTargetSession, FaultStats, LazyDraftSource
@@ -78,6 +79,11 @@ class GenerationOptions:
     seed: int | None = None  # None: 0 when greedy, random when sampling (reported in the result)
     stop: tuple[str, ...] = ()
     chat: bool = True  # apply the model's chat template when it has one
+    # Target-only stretches stream from the verifier; it may hold tokens this long and send them together, so that
+    # both sides' gRPC threads wake once a message instead of once a token (on a CPU host they take their time from
+    # the model's threads). The first token of each stretch is sent at once. Not applied with stop strings: only the
+    # coordinator sees those, and held tokens would delay the stop. 0: every token at once.
+    stream_flush_s: float = DEFAULT_STREAM_FLUSH_S
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS:
@@ -88,6 +94,8 @@ class GenerationOptions:
             raise ValueError(f"draft_policy must be one of {', '.join(POLICIES)}, got {self.draft_policy!r}")
         if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
             raise ValueError(f"seed must be in 0..2**64-1, got {self.seed}")
+        if not 0 <= self.stream_flush_s <= MAX_STREAM_FLUSH_S:
+            raise ValueError(f"stream_flush_s must be in 0..{MAX_STREAM_FLUSH_S:g} s, got {self.stream_flush_s}")
         self.sampling  # validates temperature, top_p, top_k
 
     @property
@@ -362,7 +370,8 @@ class Coordinator:
         config = LoopConfig(max_new_tokens=self.token_budget(len(prompt_ids), options.max_new_tokens),
                             eos_token_ids=self.eos_token_ids, draft_length=self.draft_length(options),
                             pipeline=options.pipeline,
-                            max_propose_tokens=self.propose_limit if use_drafter else None)
+                            max_propose_tokens=self.propose_limit if use_drafter else None,
+                            stream_flush_s=0.0 if options.stop else options.stream_flush_s)
         session_id = new_session_id()
         logs.session_id.set(session_id)
         faults = FaultStats()

@@ -12,6 +12,7 @@ from contextlib import ExitStack, contextmanager
 from types import ModuleType
 
 from coordinator.draft_length import DEFAULT_POLICY, POLICIES
+from coordinator.stream_flush import DEFAULT_STREAM_FLUSH_S, MAX_STREAM_FLUSH_S
 from specmesh.runtime import catalog
 from specmesh.ops import config as flag_config
 from specmesh.ops.config import add_config_argument
@@ -58,6 +59,10 @@ def add_fleet_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pipeline", action="store_true",
                    help="draft the next round while the verifier checks this one, betting that every draft is "
                    "accepted (pays when drafter and verifier run on different hosts; same output either way)")
+    p.add_argument("--stream-flush-ms", type=float, default=DEFAULT_STREAM_FLUSH_S * 1000,
+                   help="target-only stretches stream from the verifier, which may hold tokens this long and send "
+                   "them together: fewer wake-ups of both sides' gRPC threads per token; the first token of each "
+                   "stretch goes at once, and generations with stop strings get every token at once (0: always)")
     p.add_argument("--connect-timeout", type=float, default=60.0,
                    help="seconds to wait at start for a SERVING verifier (and drafter)")
     p.add_argument("--unreachable-timeout", type=float, default=5.0,
@@ -284,7 +289,8 @@ def run_generation(args: argparse.Namespace, streamed: list[str]) -> int:
             prepared["options"] = GenerationOptions(
                 max_new_tokens=args.max_new_tokens, draft_tokens=args.draft_tokens, draft_policy=args.draft_policy,
                 pipeline=args.pipeline, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                seed=args.seed, stop=tuple(args.stop), chat=not args.no_chat)
+                seed=args.seed, stop=tuple(args.stop), chat=not args.no_chat,
+                stream_flush_s=args.stream_flush_ms / 1000)
         except ValueError as e:
             raise BadOptions(str(with_fix(e))) from None
     with ExitStack() as stack:
@@ -340,6 +346,8 @@ def serve(args: argparse.Namespace) -> int:
             raise ValueError(f"draft_tokens must be in 0..64, got {args.draft_tokens}")
         if not args.grace >= 0:
             raise ValueError(f"grace must be >= 0 seconds, got {args.grace}")
+        if not 0 <= args.stream_flush_ms <= MAX_STREAM_FLUSH_S * 1000:
+            raise ValueError(f"stream_flush_ms must be in 0..{MAX_STREAM_FLUSH_S * 1000:g}, got {args.stream_flush_ms}")
         admission = AdmissionConfig(max_active=args.max_concurrent_requests, max_queue=args.max_queue)
         try:
             listener = socket.create_server((args.host, args.port))  # bound first: port 0 gets a real port to report
@@ -355,7 +363,7 @@ def serve(args: argparse.Namespace) -> int:
         with connected(args, progress=True) as coordinator:
             app = create_app(coordinator, default_max_tokens=args.default_max_tokens,
                              draft_tokens=args.draft_tokens, draft_policy=args.draft_policy,
-                             pipeline=args.pipeline, admission=admission)
+                             pipeline=args.pipeline, admission=admission, stream_flush_s=args.stream_flush_ms / 1000)
             host, port = listener.getsockname()[:2]
             print(f"LISTENING http://{host}:{port}", flush=True)
             # SIGTERM drains first (coordinator/http_server.py); the timeout only bounds uvicorn's own wait after it.

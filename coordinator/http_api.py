@@ -35,6 +35,7 @@ from coordinator.admission import RETRY_AFTER_S, Admission, AdmissionConfig, Ref
 from coordinator.api import Coordinator, GenerationFailed, GenerationOptions, GenerationResult
 from coordinator.cancel import CancelToken, GenerationCancelled
 from coordinator.draft_length import DEFAULT_POLICY
+from coordinator.stream_flush import DEFAULT_STREAM_FLUSH_S
 from specmesh.wire.printable import printable
 
 log = logging.getLogger("specmesh.http")
@@ -397,7 +398,8 @@ class CompletionsAPI:
     """The route handlers over one Coordinator, with the server's defaults for what a request does not say."""
 
     def __init__(self, coordinator: Coordinator, default_max_tokens: int, draft_tokens: int | None,
-                 draft_policy: str, pipeline: bool, admission: AdmissionConfig = AdmissionConfig()) -> None:
+                 draft_policy: str, pipeline: bool, admission: AdmissionConfig = AdmissionConfig(),
+                 stream_flush_s: float = DEFAULT_STREAM_FLUSH_S) -> None:
         self.coordinator = coordinator
         self.admission = Admission(admission)
         # One thread per running generation: admission never lets more run, so nothing queues here unseen.
@@ -405,7 +407,7 @@ class CompletionsAPI:
         self._running: set[CancelToken] = set()  # cancelled all at once when the server stops
         self._running_lock = threading.Lock()
         self.default_max_tokens, self.draft_tokens = default_max_tokens, draft_tokens
-        self.draft_policy, self.pipeline = draft_policy, pipeline
+        self.draft_policy, self.pipeline, self.stream_flush_s = draft_policy, pipeline, stream_flush_s
         self.model_name = coordinator.verifier_info.model_name
         self.created = int(time.time())
 
@@ -450,7 +452,7 @@ class CompletionsAPI:
         return GenerationOptions(max_new_tokens=max_tokens or self.default_max_tokens, draft_tokens=self.draft_tokens,
                                  draft_policy=self.draft_policy, pipeline=self.pipeline,
                                  temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=seed,
-                                 stop=stop, chat=chat)
+                                 stop=stop, chat=chat, stream_flush_s=self.stream_flush_s)
 
     def request_options(self, prompt_ids: list[int], body: _Common, max_tokens: int | None,
                         chat: bool) -> list[GenerationOptions] | JSONResponse:
@@ -517,9 +519,11 @@ class CompletionsAPI:
 
 def create_app(coordinator: Coordinator, default_max_tokens: int = 256, draft_tokens: int | None = None,
                draft_policy: str = DEFAULT_POLICY, pipeline: bool = False,
-               admission: AdmissionConfig = AdmissionConfig(), max_body_bytes: int = 1024 * 1024) -> FastAPI:
+               admission: AdmissionConfig = AdmissionConfig(), max_body_bytes: int = 1024 * 1024,
+               stream_flush_s: float = DEFAULT_STREAM_FLUSH_S) -> FastAPI:
     """The app; `app.state.completions` is its CompletionsAPI (admission, cancel_all) for the server around it."""
-    api = CompletionsAPI(coordinator, default_max_tokens, draft_tokens, draft_policy, pipeline, admission)
+    api = CompletionsAPI(coordinator, default_max_tokens, draft_tokens, draft_policy, pipeline, admission,
+                         stream_flush_s)
     app = FastAPI(title="specmesh", description="OpenAI-compatible API over distributed speculative decoding",
                   default_response_class=SafeJSONResponse)
     app.state.completions = api

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from coordinator.draft_length import DraftLength, RoundRecord
+from coordinator.stream_flush import MAX_STREAM_FLUSH_S
 from specmesh.decoding.acceptance import Verdict
 from specmesh.decoding.sampling import SparseDist
 
@@ -60,10 +61,12 @@ class TargetSession(Protocol):
 
 
 class StreamingTarget(TargetSession, Protocol):
-    """A verifier session that can also decode on its own, streaming each token as it commits it: what max_tokens
-    verify(Draft()) calls would give, up to a stop token. Closing the iterator ends the stream."""
+    """A verifier session that can also decode on its own, streaming the tokens as it commits them: what max_tokens
+    verify(Draft()) calls would give, up to a stop token. Each item is the tokens of one message: one, or with
+    flush_interval_s > 0 those the target held up to that long. Closing the iterator ends the stream."""
 
-    def decode(self, max_tokens: int, stop_token_ids: frozenset[int]) -> Iterator[int]: ...
+    def decode(self, max_tokens: int, stop_token_ids: frozenset[int],
+               flush_interval_s: float = 0.0) -> Iterator[list[int]]: ...
 
 
 @dataclass(frozen=True)
@@ -74,12 +77,17 @@ class LoopConfig:
     pipeline: bool = False  # draft the next round while the target verifies this one
     max_propose_tokens: int | None = None  # the drafter's limit: the pipelined bet never asks for more
     stream_target_only: bool = True  # without drafting, let a StreamingTarget decode all tokens in one stream
+    # Let the streaming target hold the tokens it commits up to this long and send them in one message: the
+    # coordinator's and the verifier's gRPC threads then wake once a message, not once a token (0: every token).
+    stream_flush_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.max_propose_tokens is not None and self.max_propose_tokens < 1:
             raise ValueError(f"max_propose_tokens must be >= 1, got {self.max_propose_tokens}")
+        if not 0 <= self.stream_flush_s <= MAX_STREAM_FLUSH_S:
+            raise ValueError(f"stream_flush_s must be in 0..{MAX_STREAM_FLUSH_S:g} s, got {self.stream_flush_s}")
 
 
 @dataclass
@@ -198,16 +206,17 @@ def _decode_streamed(target: StreamingTarget, config: LoopConfig, count: int,
     """`count` rounds of k = 0 in one stream from the target, without a round trip per token; True when the
     generation finished (as the loop finishes: an end-of-sequence token is kept; a stop from on_tokens). The drafter
     learns the committed tokens once, at the end."""
-    stream = target.decode(count, config.eos_token_ids)
+    stream = target.decode(count, config.eos_token_ids, config.stream_flush_s)
     committed: list[int] = []
     try:
         started = time.perf_counter()
-        for token in stream:
+        for tokens in stream:
             now = time.perf_counter()
-            result.rounds.append(RoundRecord(0, 0, 0.0, now - started))
+            # Tokens that came together share the wait: each round is one target step, as the policy's costs assume.
+            result.rounds.extend(RoundRecord(0, 0, 0.0, (now - started) / len(tokens)) for _ in tokens)
             started = now
-            committed.append(token)
-            if _commit([token], config, on_tokens, result):
+            committed.extend(tokens)
+            if _commit(tokens, config, on_tokens, result):
                 return True
     finally:
         stream.close()  # a stop before the end: the verifier stops decoding

@@ -189,7 +189,7 @@ class FailoverTargetSession:
             if token in stop_token_ids:
                 return
 
-    def _open_decode(self, max_tokens: int, stop_token_ids: frozenset[int],
+    def _open_decode(self, max_tokens: int, stop_token_ids: frozenset[int], flush_interval_s: float,
                      failed: list[Endpoint]) -> tuple[Endpoint, TokenStream, pb.DecodeResponse]:
         """A Decode stream on the next verifier, with its first token: a refused call (resync, a verifier that is
         gone) fails here, where it is retried."""
@@ -200,7 +200,8 @@ class FailoverTargetSession:
                 self.link.cancel.check()
             call = endpoint.stub.Decode(pb.DecodeRequest(
                 session_id=self.session_id, context=context, max_tokens=max_tokens,
-                stop_token_ids=sorted(stop_token_ids), sampling=sampling_to_wire(self._params), seed=self._seed))
+                stop_token_ids=sorted(stop_token_ids), sampling=sampling_to_wire(self._params), seed=self._seed,
+                flush_interval_ms=round(flush_interval_s * 1000)))
             stream = TokenStream(call, self._config.attempt_timeout(self._config.verify_timeout_s,
                                                                     len(context.new_tokens)),
                                  self._config.verify_timeout_s, self.link.cancel)
@@ -215,29 +216,35 @@ class FailoverTargetSession:
             raise
         return endpoint, stream, first
 
-    def decode(self, max_tokens: int, stop_token_ids: frozenset[int] = frozenset()) -> Iterator[int]:
-        """Target-only decoding streamed by the verifier (Decode): each token as the verifier commits it, up to
-        max_tokens or a stop token. Exactly the tokens of max_tokens verify() calls without drafts. A stream that
-        breaks is re-opened from the tokens received so far, under verify()'s retry policy: on another verifier when
-        its own became unusable. Closing the generator (a stop string) ends the stream."""
+    def decode(self, max_tokens: int, stop_token_ids: frozenset[int] = frozenset(),
+               flush_interval_s: float = 0.0) -> Iterator[list[int]]:
+        """Target-only decoding streamed by the verifier (Decode): the tokens of each message as the verifier sends
+        them, up to max_tokens or a stop token; one a message, or with flush_interval_s > 0 those the verifier held
+        that long (DecodeRequest.flush_interval_ms). Exactly the tokens of max_tokens verify() calls without drafts.
+        A stream that breaks is re-opened from the tokens received so far, under verify()'s retry policy: on another
+        verifier when its own became unusable. Closing the generator (a stop string) ends the stream."""
         taken, failed = 0, []
         while taken < max_tokens:
             try:
                 endpoint, stream, response = self._retrying()(self._open_decode, max_tokens - taken,
-                                                              stop_token_ids, failed)
+                                                              stop_token_ids, flush_interval_s, failed)
             except grpc.RpcError as e:
                 if e.code() != grpc.StatusCode.UNIMPLEMENTED:
                     raise
                 log.info("verifier without Decode (an older version): target-only decoding goes round by round")
-                yield from self._decode_by_rounds(max_tokens - taken, stop_token_ids)
+                yield from ([token] for token in self._decode_by_rounds(max_tokens - taken, stop_token_ids))
                 return
             failed = []
             try:
                 while response is not None:
-                    self._commit([response.token], response.committed_length)
-                    taken += 1
-                    yield response.token
-                    if taken >= max_tokens or response.token in stop_token_ids:
+                    tokens = [response.token, *response.more_tokens]
+                    if taken + len(tokens) > max_tokens or any(t in stop_token_ids for t in tokens[:-1]):
+                        raise RuntimeError(f"verifier {endpoint.address} sent tokens past the end of its Decode "
+                                           f"stream ({max_tokens} tokens, stop tokens {sorted(stop_token_ids)})")
+                    self._commit(tokens, response.committed_length)
+                    taken += len(tokens)
+                    yield tokens
+                    if taken >= max_tokens or tokens[-1] in stop_token_ids:
                         self.link.record(endpoint, None)
                         return
                     response = stream.next()

@@ -64,6 +64,19 @@ def test_target_only_equals_reference_greedy(verifier, tiny_target, prompt, expe
     assert result.stats["rounds"] == len(expected)
 
 
+def test_target_only_tokens_held_by_the_verifier_come_together_unless_stop_strings_are_set(verifier, tiny_target,
+                                                                                             prompt, expected):
+    """With a flush interval longer than the generation, the first token comes alone and the rest in one message
+    (its rounds share the wait evenly); the tokens are the same. A generation with a stop string gets every token at
+    once, since only the coordinator sees stop strings."""
+    held = generate(verifier, None, tiny_target.tokenizer, prompt, draft_tokens=0, stream_flush_s=10.0)
+    assert held.token_ids == expected and held.stats["rounds"] == len(expected)
+    assert len({r.verify_s for r in held.rounds[1:]}) == 1
+    never = "\x00 never in the text"
+    each = generate(verifier, None, tiny_target.tokenizer, prompt, draft_tokens=0, stream_flush_s=10.0, stop=(never,))
+    assert each.token_ids == expected and len({r.verify_s for r in each.rounds[1:]}) > len(expected) // 2
+
+
 HEURISTIC = "heuristic"
 
 
@@ -235,7 +248,7 @@ def test_info_reports_model_and_fingerprint(verifier, tiny_target):
 
 def test_bad_generation_options_are_refused():
     for bad in (dict(max_new_tokens=-1), dict(max_new_tokens=0), dict(temperature=-0.5), dict(top_p=0.0),
-                dict(draft_tokens=-2), dict(seed=-1)):
+                dict(draft_tokens=-2), dict(seed=-1), dict(stream_flush_s=-0.1), dict(stream_flush_s=11.0)):
         with pytest.raises(ValueError):
             GenerationOptions(**bad)
 
@@ -274,6 +287,21 @@ def test_a_decode_stream_gives_what_verify_rounds_give(verifier, prompt, expecte
         worker.close()
 
 
+def test_a_decode_stream_with_a_flush_interval_sends_what_it_held_together(verifier, prompt, expected):
+    """The first token at once, the rest held (10 s is longer than the stream) and sent with its end: the same
+    tokens as one a message, the committed length of each message's last token; a stop token still ends it."""
+    worker = RemoteWorker(verifier.address, "verifier")
+    try:
+        messages = list(_decode(worker, new_session_id(), prompt, 12, flush_interval_ms=10_000))
+        assert [[m.token, *m.more_tokens] for m in messages] == [expected[:1], expected[1:12]]
+        assert [m.committed_length for m in messages] == [len(prompt) + 1, len(prompt) + 12]
+        stop = expected[5]
+        stopped = list(_decode(worker, new_session_id(), prompt, 30, stop_token_ids=[stop], flush_interval_ms=10_000))
+        assert [t for m in stopped for t in [m.token, *m.more_tokens]] == expected[:expected.index(stop) + 1]
+    finally:
+        worker.close()
+
+
 def test_a_decode_stream_ends_at_a_stop_token(verifier, prompt, expected):
     worker = RemoteWorker(verifier.address, "verifier")
     try:
@@ -305,6 +333,7 @@ BAD_DECODE = {
     "stop token out of range": dict(stop_token_ids=[10**6]),
     "empty session id": dict(session_id=""),
     "token out of range": dict(context=_ctx([1, 10**6])),
+    "flush interval past the limit": dict(flush_interval_ms=10_001),
 }
 
 

@@ -19,6 +19,7 @@ from verifier.decode_stream import DecodeSteps, decode_stream
 from verifier.engine import VerifyEngine
 
 SERVICE_NAME = "specmesh.v1.Verifier"
+MAX_FLUSH_INTERVAL_MS = 10_000  # DecodeRequest.flush_interval_ms (the coordinator's MAX_STREAM_FLUSH_S)
 
 
 class VerifierServicer(WorkerServicerBase, pb_grpc.VerifierServicer):
@@ -59,6 +60,9 @@ class VerifierServicer(WorkerServicerBase, pb_grpc.VerifierServicer):
         session_key = self.session_key(request.session_id, context)
         if request.max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
+        if request.flush_interval_ms > MAX_FLUSH_INTERVAL_MS:  # held longer, a client's step deadline would fire
+            raise ValueError(f"flush_interval_ms must be at most {MAX_FLUSH_INTERVAL_MS}, got "
+                             f"{request.flush_interval_ms}")
         check_token_ids("stop_token_ids", list(request.stop_token_ids), vocab_size)
         new_tokens = list(request.context.new_tokens)
         # Every step adds one token: the whole stream must fit in the context.
@@ -69,15 +73,18 @@ class VerifierServicer(WorkerServicerBase, pb_grpc.VerifierServicer):
         check_context(request.context.base_length, new_tokens, vocab_size, limit)
         params = sampling_from_wire(request.sampling.temperature, request.sampling.top_k, request.sampling.top_p)
         steps = DecodeSteps(session_key, request.context.base_length, request.context.base_hash, tuple(new_tokens),
-                            request.max_tokens, frozenset(request.stop_token_ids), params, request.seed)
+                            request.max_tokens, frozenset(request.stop_token_ids), params, request.seed,
+                            request.flush_interval_ms / 1000)
 
         def before_step() -> None:
             if self.worker.stopping.is_set():  # draining: the client goes on elsewhere from what it has received
                 raise NotReady("the verifier is stopping")
             self.before_work(context)  # each step counts as a call for injected faults (tests), as a Verify would
 
-        for outcome in decode_stream(engine, steps, context.is_active, before_step):
-            yield pb.DecodeResponse(token=outcome.verdict.next_token, committed_length=outcome.committed_length)
+        for outcomes in decode_stream(engine, steps, context.is_active, before_step):
+            yield pb.DecodeResponse(token=outcomes[0].verdict.next_token,
+                                    more_tokens=[o.verdict.next_token for o in outcomes[1:]],
+                                    committed_length=outcomes[-1].committed_length)
 
 
 class VerifierRole:

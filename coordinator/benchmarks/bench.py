@@ -77,6 +77,7 @@ from coordinator.benchmarks.measure import take_turns
 from coordinator.benchmarks.specmesh_runs import specmesh_runner
 from coordinator.benchmarks.split import DEFAULT_SPLIT_MODES, UNAVAILABLE, SplitUnavailable, run_split
 from coordinator.benchmarks import split
+from coordinator.stream_flush import DEFAULT_STREAM_FLUSH_S, MAX_STREAM_FLUSH_S
 from specmesh.ops.flags import DefaultsRawDescriptionHelpFormatter
 from specmesh.runtime import onednn
 from specmesh.runtime.catalog import DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL
@@ -143,6 +144,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--llama-flash-attn", choices=("on", "off"), default="on",
                         help="llama-target/llama-lookup: flash attention (default: on, as llama.cpp's auto and the "
                         "specmesh llama.cpp engine run on CPU; llama-cpp-python's Llama defaults to off)")
+    parser.add_argument("--stream-flush-ms", type=float, default=DEFAULT_STREAM_FLUSH_S * 1000,
+                        help="specmesh modes: how long the verifier may hold the tokens of a target-only stretch "
+                        "before sending them together (as coordinator generate; 0: every token at once)")
     parser.add_argument("--order", choices=("interleaved", "phased"), default="interleaved",
                         help="interleaved: every prompt runs every mode back to back, specmesh and baselines taking "
                         "turns (the baselines' models are loaded beside the workers; falls back to phased when memory "
@@ -260,6 +264,8 @@ def run(args: argparse.Namespace) -> int:
                                [i.strip() for i in args.prompt_ids.split(",")] if args.prompt_ids else None)
         if args.max_new_tokens < 1 or args.repeats < 1:
             raise ValueError("--max-new-tokens and --repeats must be >= 1")
+        if not 0 <= args.stream_flush_ms <= MAX_STREAM_FLUSH_S * 1000:
+            raise ValueError(f"--stream-flush-ms must be in 0..{MAX_STREAM_FLUSH_S * 1000:g}")
         engines, resolved = requested_engines(args), resolved_engines(args)
         if args.threads and len(args.threads) > 1 and (args.verifier or args.drafter or args.ngram_drafter):
             raise ValueError("a --threads sweep starts its own workers at each count: drop --verifier/--drafter/"
@@ -359,7 +365,7 @@ def measure(args: argparse.Namespace, modes, prompts: list[dict], classes: list[
                    "repeats": args.repeats, "ngram_min": args.ngram_min, "ngram_max": args.ngram_max,
                    "threads": args.threads, "linear_backend": args.linear_backend, "order": order,
                    "engines": engines, "resolved_engines": resolved,
-                   "hf_prompt_lookup_tokens": args.hf_prompt_lookup_tokens,
+                   "hf_prompt_lookup_tokens": args.hf_prompt_lookup_tokens, "stream_flush_ms": args.stream_flush_ms,
                    "chat": not args.no_chat, "wall_s": round(time.time() - started, 1)},
         "skipped_modes": skipped,
         "prompts": [{**p, "prompt_tokens": len(prompt_ids[p["id"]])} for p in prompts],

@@ -119,7 +119,8 @@ def specmesh_runner(args, modes: list[Mode], prompts: list[dict]) -> Iterator[Ru
 
         def run(prompt: dict, mode: Mode) -> dict:
             options = GenerationOptions(max_new_tokens=args.max_new_tokens, draft_tokens=mode.k,
-                                        draft_policy=mode.policy, pipeline=mode.pipeline)
+                                        draft_policy=mode.policy, pipeline=mode.pipeline,
+                                        stream_flush_s=args.stream_flush_ms / 1000)
             return specmesh_row(coordinators[mode.drafter].generate(list(prompt_ids[prompt["id"]]), options),
                                 prompt, mode)
 

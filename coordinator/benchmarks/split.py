@@ -105,7 +105,8 @@ def sub_bench_argv(args: argparse.Namespace, modes: list[Mode], verifier: str, d
             "--device", args.device, "--engine", args.engine, "--linear-backend", args.linear_backend,
             "--max-new-tokens", str(args.max_new_tokens), "--prompts", str(args.prompts), "--classes", args.classes,
             "--repeats", str(args.repeats), "--hf-prompt-lookup-tokens", str(args.hf_prompt_lookup_tokens),
-            "--llama-flash-attn", args.llama_flash_attn, "--threads", str(threads)]
+            "--llama-flash-attn", args.llama_flash_attn, "--threads", str(threads),
+            "--stream-flush-ms", str(args.stream_flush_ms)]
     for flag, value in (("--target-engine", args.target_engine), ("--draft-engine", args.draft_engine),
                         ("--limit-prompts", args.limit_prompts), ("--prompt-ids", args.prompt_ids)):
         if value:

@@ -85,28 +85,32 @@ class VerifyResponse(_message.Message):
     def __init__(self, accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., committed_length: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("session_id", "context", "max_tokens", "stop_token_ids", "sampling", "seed")
+    __slots__ = ("session_id", "context", "max_tokens", "stop_token_ids", "sampling", "seed", "flush_interval_ms")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    FLUSH_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     context: ContextSync
     max_tokens: int
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     seed: int
-    def __init__(self, session_id: _Optional[str] = ..., context: _Optional[_Union[ContextSync, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ...) -> None: ...
+    flush_interval_ms: int
+    def __init__(self, session_id: _Optional[str] = ..., context: _Optional[_Union[ContextSync, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., flush_interval_ms: _Optional[int] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("token", "committed_length")
+    __slots__ = ("token", "committed_length", "more_tokens")
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    MORE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     token: int
     committed_length: int
-    def __init__(self, token: _Optional[int] = ..., committed_length: _Optional[int] = ...) -> None: ...
+    more_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token: _Optional[int] = ..., committed_length: _Optional[int] = ..., more_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()

@@ -124,7 +124,9 @@ def test_every_verifier_killed_fails_cleanly_with_partial_text(fleet, tiny, prom
     with Coordinator([v1.address, v2.address], tokenizer=tiny.tokenizer, resilience=budget) as c:
         started = time.monotonic()
         with pytest.raises(GenerationFailed) as failure:
-            c.generate(list(prompt), GenerationOptions(max_new_tokens=MAX_NEW, draft_tokens=0),
+            # One token a message: the kills land after the third token, not after the third of a few messages
+            # that the tiny model's fast steps fill with the whole generation.
+            c.generate(list(prompt), GenerationOptions(max_new_tokens=MAX_NEW, draft_tokens=0, stream_flush_s=0.0),
                        on_text=once(lambda: (v1.kill(), v2.kill()), after_calls=3))
         elapsed = time.monotonic() - started
     partial = failure.value.partial

@@ -160,9 +160,13 @@ class FakeStub:
         return [request.context for name, request in self.requests if name == method]
 
 
+HELD_PER_MESSAGE = 3  # a fake stream with flush_interval_ms sends the steps after its first three to a message
+
+
 class FakeDecodeStream:
     """What a fake Decode call returns: an iterator of DecodeResponse with cancel(), as a gRPC response stream. Each
-    next() is one target step, and fails as a unary call would (the worker is down, a scripted fault)."""
+    next() is one target step (three after the first with flush_interval_ms), and fails as a unary call would (the
+    worker is down, a scripted fault)."""
 
     def __init__(self, stub: FakeStub, request: pb.DecodeRequest) -> None:
         self.stub, self.request = stub, request
@@ -187,10 +191,15 @@ class FakeDecodeStream:
         if self.stub.hang_decode_after is not None and self.sent >= self.stub.hang_decode_after:
             self._cancel.wait(10.0)  # until the client gives up on it
             raise FakeRpcError(grpc.StatusCode.CANCELLED, "cancelled by the client")
-        response = self.stub._call("Decode", self.request, lambda _: self.stub._decode_step(self), record=False)
-        self.sent += 1
-        self.committed_length, self.last_token = response.committed_length, response.token
-        return response
+        held = HELD_PER_MESSAGE if self.request.flush_interval_ms and self.sent else 1  # the first goes alone
+        tokens = []
+        while len(tokens) < held and self.sent < self.request.max_tokens and \
+                self.last_token not in self.request.stop_token_ids:
+            step = self.stub._call("Decode", self.request, lambda _: self.stub._decode_step(self), record=False)
+            self.sent += 1
+            self.committed_length, self.last_token = step.committed_length, step.token
+            tokens.append(step.token)
+        return pb.DecodeResponse(token=tokens[0], more_tokens=tokens[1:], committed_length=self.committed_length)
 
     def cancel(self) -> bool:
         self._cancel.set()

@@ -53,9 +53,10 @@ def drafter_session(pool: WorkerPool, stats: FaultStats, config: ResilienceConfi
     return DegradingDraftSession(pool, "s1", PROMPT, SamplingParams(), 0, config, stats)
 
 
-def decode(drafter, target, max_new_tokens: int = 24, k: int = 3, after_round=None, stream: bool = True):
+def decode(drafter, target, max_new_tokens: int = 24, k: int = 3, after_round=None, stream: bool = True,
+           flush_s: float = 0.0):
     """Run the real loop; `after_round(tokens so far)` runs after each round's tokens are committed. `stream`: without
-    a drafter, target-only decoding is one Decode stream (else a Verify per token)."""
+    a drafter, target-only decoding is one Decode stream (else a Verify per token); `flush_s`: its flush interval."""
     seen: list[int] = []
 
     def on_tokens(new: list[int]) -> bool:
@@ -64,7 +65,8 @@ def decode(drafter, target, max_new_tokens: int = 24, k: int = 3, after_round=No
             after_round(seen)
         return False
     return speculative_decode(drafter, target, LoopConfig(max_new_tokens, draft_length=DraftLength.fixed(k),
-                                                          stream_target_only=stream), on_tokens=on_tokens)
+                                                          stream_target_only=stream, stream_flush_s=flush_s),
+                              on_tokens=on_tokens)
 
 
 def pinned_index(pool: WorkerPool) -> int:
@@ -292,22 +294,41 @@ def test_an_end_of_sequence_token_ends_the_stream(make_pool):
     assert list(fleet[0].stub.requests[-1][1].stop_token_ids) == [eos]
 
 
-def test_a_verifier_killed_mid_stream_is_left_for_the_next_with_the_full_history(make_pool):
+def test_tokens_held_by_the_verifier_are_committed_and_timed_as_one_round_each(make_pool):
+    """Messages of several tokens (a flush interval): the same output, one round per token sharing the message's
+    wait, and a stop inside a message commits the whole message, as a round of accepted drafts would."""
+    pool, fleet = make_pool("verifier", 1)
+    result = decode(None, verifier_session(pool), max_new_tokens=8, flush_s=0.1)
+    assert result.tokens == target_continuation(PROMPT, 8) and len(result.rounds) == 8
+    assert fleet[0].stub.requests[-1][1].flush_interval_ms == 100
+    assert result.rounds[1].verify_s == result.rounds[2].verify_s == result.rounds[3].verify_s  # the 2nd message
+    target, seen = verifier_session(pool), []
+
+    def stop_at_the_fifth(new: list[int]) -> bool:
+        seen.extend(new)
+        return len(seen) >= 5
+    stopped = speculative_decode(None, target, LoopConfig(20, stream_flush_s=0.1), on_tokens=stop_at_the_fifth)
+    assert stopped.tokens == target_continuation(PROMPT, 7) and stopped.finish_reason == "stop"
+    assert target.verify(Draft()).next_token == target_continuation(PROMPT, 8)[-1]
+
+
+@pytest.mark.parametrize("flush_s", [0.0, 0.1], ids=["one token a message", "held tokens"])
+def test_a_verifier_killed_mid_stream_is_left_for_the_next_with_the_full_history(make_pool, flush_s):
     verifiers, fleet = make_pool("verifier", 2)
     target = verifier_session(verifiers)
     killed = []
 
     def kill_pinned(tokens: list[int]) -> None:
-        if not killed and len(tokens) == 5:
+        if not killed and len(tokens) == 4:
             killed.append(pinned_index(verifiers))
             fleet[killed[0]].stub.down = True
-    result = decode(None, target, max_new_tokens=12, after_round=kill_pinned)
+    result = decode(None, target, max_new_tokens=12, after_round=kill_pinned, flush_s=flush_s)
     assert result.tokens == target_continuation(PROMPT, 12), "failover must not change the output"
     assert target.stats.failovers == 1 and target.stats.retries == 1
     (resumed,) = [request for method, request in fleet[1 - killed[0]].stub.requests if method == "Decode"]
     assert resumed.context.base_length == 0
-    assert list(resumed.context.new_tokens) == PROMPT + target_continuation(PROMPT, 5)
-    assert resumed.max_tokens == 7, "only what is left"
+    assert list(resumed.context.new_tokens) == PROMPT + target_continuation(PROMPT, 4)
+    assert resumed.max_tokens == 8, "only what is left"
     assert verifiers.endpoints[killed[0]].breaker.breaker.fail_counter == 1
 
 

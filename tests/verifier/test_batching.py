@@ -256,7 +256,9 @@ def test_a_streams_steps_run_back_to_back_on_the_model_thread(tiny_target):
 
     engine.loaded.run_on_model_thread = counting
     steps = DecodeSteps("s", 0, EMPTY_HASH, (5, 6, 7), 12, frozenset(), SamplingParams(), 0)
-    outcomes = list(decode_stream(engine, steps, lambda: True, lambda: None))
+    messages = list(decode_stream(engine, steps, lambda: True, lambda: None))
+    assert all(len(m) == 1 for m in messages)  # no flush interval: each outcome as it is committed
+    outcomes = [o for m in messages for o in m]
     assert [o.verdict.next_token for o in outcomes] == reference_greedy(tiny_target.model, [5, 6, 7], 12)
     assert [o.committed_length for o in outcomes] == list(range(4, 16))
     assert len(handed_over) == 1, f"{len(handed_over)} hand-offs for 12 steps"
@@ -274,11 +276,42 @@ def test_a_stream_stops_where_its_caller_has_gone_and_where_before_step_raises(t
 
     received = []
     with pytest.raises(Cancelled):
-        for outcome in decode_stream(engine, steps, lambda: True, stop_at_the_fourth):
-            received.append(outcome)
+        for message in decode_stream(engine, steps, lambda: True, stop_at_the_fourth):
+            received.extend(message)
     assert len(received) == 3
 
     active = iter([True] * 5 + [False] * 100)
     gone = list(decode_stream(engine, DecodeSteps("t", 0, EMPTY_HASH, (5, 6), 12, frozenset(), SamplingParams(), 0),
                               lambda: next(active), lambda: None))
     assert 1 <= len(gone) < 12
+
+
+def test_a_stream_with_a_flush_interval_hands_over_what_it_held_together(tiny_target):
+    """With a flush interval, the first outcome goes at once, the later ones in lists of those held meanwhile, the
+    last with the stream's end; the same outcomes in the same order as without. Where the stream stops early, what
+    it held is handed over before the error."""
+    engine = batching_engine(tiny_target, 8)
+    alone = [o for m in decode_stream(engine, DecodeSteps("a", 0, EMPTY_HASH, (5, 6, 7), 12, frozenset(),
+                                                          SamplingParams(), 0), lambda: True, lambda: None) for o in m]
+    held = DecodeSteps("b", 0, EMPTY_HASH, (5, 6, 7), 12, frozenset(), SamplingParams(), 0, flush_interval_s=60.0)
+    messages = list(decode_stream(engine, held, lambda: True, lambda: None))
+    assert [len(m) for m in messages] == [1, 11]
+    assert [(o.verdict.next_token, o.committed_length) for m in messages for o in m] == \
+        [(o.verdict.next_token, o.committed_length) for o in alone]
+    every_step = DecodeSteps("c", 0, EMPTY_HASH, (5, 6, 7), 5, frozenset(), SamplingParams(), 0, 1e-9)
+    assert [len(m) for m in decode_stream(engine, every_step, lambda: True, lambda: None)] == [1] * 5
+
+    calls, received = [], []
+
+    def stop_at_the_fourth() -> None:
+        calls.append(1)
+        if len(calls) == 4:
+            raise Cancelled("the verifier is stopping")
+
+    stopped = DecodeSteps("d", 0, EMPTY_HASH, (5, 6, 7), 12, frozenset(), SamplingParams(), 0, flush_interval_s=60.0)
+    with pytest.raises(Cancelled):
+        for message in decode_stream(engine, stopped, lambda: True, stop_at_the_fourth):
+            received.append(len(message))
+    assert received == [1, 2]
+    with pytest.raises(ValueError, match="flush_interval_s"):
+        DecodeSteps("e", 0, EMPTY_HASH, (5,), 2, frozenset(), SamplingParams(), 0, flush_interval_s=-1.0)

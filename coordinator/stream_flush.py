@@ -1,0 +1,12 @@
+"""How long the verifier may hold the tokens of a target-only stream before sending them together.
+
+A stream of one token a message wakes the verifier's gRPC threads and the coordinator's (its channel's poller, the
+reading thread, the loop) once a token. On a CPU host where the model's threads fill the cores, each wake-up takes a
+core from a forward pass in progress, and the pass then waits at its next barrier for the thread it displaced.
+Measured on the 2-core ik pair (docs/engines.md): one token a message cost 0.94 ms of CPU a token outside the model's
+threads (coordinator and verifier), holding up to 0.1 s 0.48 ms; target-only went from 0.89x to 0.94x of ik's own
+loop in alternated bench runs (docs/benchmarks.md).
+"""
+
+DEFAULT_STREAM_FLUSH_S = 0.1  # a text stream still updates several times a second
+MAX_STREAM_FLUSH_S = 10.0  # the verifier's limit (DecodeRequest.flush_interval_ms, verifier/service.py)

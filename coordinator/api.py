@@ -27,7 +27,7 @@ from coordinator.fleet import WorkerPool
 from coordinator.hybrid_draft import HybridDraftSource
 from coordinator.loop import DraftLength, LoopConfig, LoopResult, speculative_decode
 from coordinator.record import Recorder
-from coordinator.stream_flush import DEFAULT_STREAM_FLUSH_S, MAX_STREAM_FLUSH_S
+from coordinator.stream_flush import DEFAULT_STREAM_FLUSH_S, check_stream_flush_s
 from coordinator.channel import new_session_id
 from coordinator.resilience import NoWorkerAvailable, ResilienceConfig
 from coordinator.remote_sessions import DegradingDraftSession, FailoverTargetSession, FaultStats, LazyDraftSource
@@ -94,8 +94,7 @@ class GenerationOptions:
             raise ValueError(f"draft_policy must be one of {', '.join(POLICIES)}, got {self.draft_policy!r}")
         if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
             raise ValueError(f"seed must be in 0..2**64-1, got {self.seed}")
-        if not 0 <= self.stream_flush_s <= MAX_STREAM_FLUSH_S:
-            raise ValueError(f"stream_flush_s must be in 0..{MAX_STREAM_FLUSH_S:g} s, got {self.stream_flush_s}")
+        check_stream_flush_s(self.stream_flush_s)
         self.sampling  # validates temperature, top_p, top_k
 
     @property

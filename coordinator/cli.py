@@ -12,7 +12,7 @@ from contextlib import ExitStack, contextmanager
 from types import ModuleType
 
 from coordinator.draft_length import DEFAULT_POLICY, POLICIES
-from coordinator.stream_flush import DEFAULT_STREAM_FLUSH_S, MAX_STREAM_FLUSH_S
+from coordinator.stream_flush import DEFAULT_STREAM_FLUSH_S, check_stream_flush_s
 from specmesh.runtime import catalog
 from specmesh.ops import config as flag_config
 from specmesh.ops.config import add_config_argument
@@ -346,8 +346,7 @@ def serve(args: argparse.Namespace) -> int:
             raise ValueError(f"draft_tokens must be in 0..64, got {args.draft_tokens}")
         if not args.grace >= 0:
             raise ValueError(f"grace must be >= 0 seconds, got {args.grace}")
-        if not 0 <= args.stream_flush_ms <= MAX_STREAM_FLUSH_S * 1000:
-            raise ValueError(f"stream_flush_ms must be in 0..{MAX_STREAM_FLUSH_S * 1000:g}, got {args.stream_flush_ms}")
+        check_stream_flush_s(args.stream_flush_ms / 1000, "--stream-flush-ms")
         admission = AdmissionConfig(max_active=args.max_concurrent_requests, max_queue=args.max_queue)
         try:
             listener = socket.create_server((args.host, args.port))  # bound first: port 0 gets a real port to report

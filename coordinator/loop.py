@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from coordinator.draft_length import DraftLength, RoundRecord
-from coordinator.stream_flush import MAX_STREAM_FLUSH_S
+from coordinator.stream_flush import check_stream_flush_s
 from specmesh.decoding.acceptance import Verdict
 from specmesh.decoding.sampling import SparseDist
 
@@ -86,8 +86,7 @@ class LoopConfig:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.max_propose_tokens is not None and self.max_propose_tokens < 1:
             raise ValueError(f"max_propose_tokens must be >= 1, got {self.max_propose_tokens}")
-        if not 0 <= self.stream_flush_s <= MAX_STREAM_FLUSH_S:
-            raise ValueError(f"stream_flush_s must be in 0..{MAX_STREAM_FLUSH_S:g} s, got {self.stream_flush_s}")
+        check_stream_flush_s(self.stream_flush_s)
 
 
 @dataclass

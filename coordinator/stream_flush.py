@@ -10,3 +10,9 @@ loop in alternated bench runs (docs/benchmarks.md).
 
 DEFAULT_STREAM_FLUSH_S = 0.1  # a text stream still updates several times a second
 MAX_STREAM_FLUSH_S = 10.0  # the verifier's limit (DecodeRequest.flush_interval_ms, verifier/service.py)
+
+
+def check_stream_flush_s(seconds: float, name: str = "stream_flush_s") -> None:
+    """ValueError unless `seconds` is a flush interval the verifier accepts; `name` is what the caller calls it."""
+    if not 0 <= seconds <= MAX_STREAM_FLUSH_S:  # NaN fails too
+        raise ValueError(f"{name} must be between 0 and {MAX_STREAM_FLUSH_S * 1000:g} ms, got {seconds * 1000:g} ms")

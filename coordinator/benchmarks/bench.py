@@ -77,7 +77,7 @@ from coordinator.benchmarks.measure import take_turns
 from coordinator.benchmarks.specmesh_runs import specmesh_runner
 from coordinator.benchmarks.split import DEFAULT_SPLIT_MODES, UNAVAILABLE, SplitUnavailable, run_split
 from coordinator.benchmarks import split
-from coordinator.stream_flush import DEFAULT_STREAM_FLUSH_S, MAX_STREAM_FLUSH_S
+from coordinator.stream_flush import DEFAULT_STREAM_FLUSH_S, check_stream_flush_s
 from specmesh.ops.flags import DefaultsRawDescriptionHelpFormatter
 from specmesh.runtime import onednn
 from specmesh.runtime.catalog import DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL
@@ -264,8 +264,7 @@ def run(args: argparse.Namespace) -> int:
                                [i.strip() for i in args.prompt_ids.split(",")] if args.prompt_ids else None)
         if args.max_new_tokens < 1 or args.repeats < 1:
             raise ValueError("--max-new-tokens and --repeats must be >= 1")
-        if not 0 <= args.stream_flush_ms <= MAX_STREAM_FLUSH_S * 1000:
-            raise ValueError(f"--stream-flush-ms must be in 0..{MAX_STREAM_FLUSH_S * 1000:g}")
+        check_stream_flush_s(args.stream_flush_ms / 1000, "--stream-flush-ms")
         engines, resolved = requested_engines(args), resolved_engines(args)
         if args.threads and len(args.threads) > 1 and (args.verifier or args.drafter or args.ngram_drafter):
             raise ValueError("a --threads sweep starts its own workers at each count: drop --verifier/--drafter/"

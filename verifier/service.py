@@ -11,6 +11,7 @@ from specmesh.runtime.models import LoadedModel
 from specmesh.v1 import specmesh_pb2 as pb
 from specmesh.wire.contract import NotReady
 from specmesh.v1 import specmesh_pb2_grpc as pb_grpc
+from specmesh.wire.limits import MAX_FLUSH_INTERVAL_MS
 from specmesh.wire.validation import check_context, check_token_ids, dist_from_wire, sampling_from_wire
 from specmesh.worker.config import FaultInjection, ModelConfig, ServerConfig, split_options
 from specmesh.worker.server import WorkerServer, WorkerServicerBase, rpc, rpc_stream, serving
@@ -19,7 +20,6 @@ from verifier.decode_stream import DecodeSteps, decode_stream
 from verifier.engine import VerifyEngine
 
 SERVICE_NAME = "specmesh.v1.Verifier"
-MAX_FLUSH_INTERVAL_MS = 10_000  # DecodeRequest.flush_interval_ms (the coordinator's MAX_STREAM_FLUSH_S)
 
 
 class VerifierServicer(WorkerServicerBase, pb_grpc.VerifierServicer):
@@ -60,7 +60,7 @@ class VerifierServicer(WorkerServicerBase, pb_grpc.VerifierServicer):
         session_key = self.session_key(request.session_id, context)
         if request.max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
-        if request.flush_interval_ms > MAX_FLUSH_INTERVAL_MS:  # held longer, a client's step deadline would fire
+        if request.flush_interval_ms > MAX_FLUSH_INTERVAL_MS:
             raise ValueError(f"flush_interval_ms must be at most {MAX_FLUSH_INTERVAL_MS}, got "
                              f"{request.flush_interval_ms}")
         check_token_ids("stop_token_ids", list(request.stop_token_ids), vocab_size)

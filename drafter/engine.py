@@ -30,6 +30,7 @@ from specmesh.wire.history import EMPTY_HASH, TokenHistory
 from specmesh.worker.batch_window import BatchTurns, wait_for_active_sessions
 from specmesh.worker.cost_probe import (PROBE_DRAFTS, BackgroundCostProbe, RequestActivity, costs_now_or_in_background,
                                         probe_context, timed)
+from specmesh.worker.idle_upkeep import IdleUpkeep, spare_context_upkeep
 from specmesh.worker.role import ModelDescription
 from specmesh.worker.session_store import Session, SessionLimits, SessionStore, kv_sessions, request_session
 
@@ -90,6 +91,7 @@ class DraftEngine:
         self.draft_per_token_s = 0.0  # cached, or measured in the background after warm-up; 0 until then
         self._activity = RequestActivity()  # when the background cost probe may run
         self._cost_probe: BackgroundCostProbe | None = None
+        self._upkeep: IdleUpkeep | None = None  # what the engine prepares while idle (a spare ik context)
         self._probe_session: Session | None = None  # the cost probe's, while it measures
 
     def propose(self, session_id: str, base_length: int, base_hash: int, new_tokens: list[int], k: int,
@@ -248,11 +250,15 @@ class DraftEngine:
             "drafter", self.loaded, self._activity, {"propose": self._probe_propose},
             to_costs=lambda seconds: seconds["propose"] / PROBE_DRAFTS, publish=self._publish_costs,
             finish=self._drop_probe_session)
+        self._upkeep = spare_context_upkeep("drafter", self.loaded, self._activity, self._model_lock)
 
     def stop_background_work(self) -> None:
-        """Stop measuring the costs, if it still is (within one probe call): for the server's stop."""
+        """Stop measuring the costs, if it still is, and the idle upkeep (within one call each): for the server's
+        stop."""
         if self._cost_probe is not None:
             self._cost_probe.stop()
+        if self._upkeep is not None:
+            self._upkeep.stop()
 
     def _publish_costs(self, seconds_per_token) -> None:
         self.draft_per_token_s = float(seconds_per_token)  # Info reports it from now on

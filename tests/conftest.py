@@ -88,6 +88,12 @@ def _command_line(pid: int) -> str:
         return "?"
 
 
+# A probe waits while other processes compute (specmesh/worker/cost_probe.py): pytest-xdist's other test process
+# always may, so the tests' workers, in this process or started by it, measure without waiting. The waiting itself is
+# tested with a given reading of the machine (tests/specmesh/worker/test_cost_probe.py).
+os.environ["SPECMESH_PROBE_QUIET_SAMPLE_S"] = "0"
+
+
 @pytest.fixture(scope="session", autouse=True)
 def no_process_left_behind():
     """A test run leaves no process running: checked once every test (and fixture) of this process has finished."""

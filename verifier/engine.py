@@ -25,6 +25,7 @@ from specmesh.wire.history import EMPTY_HASH, TokenHistory
 from specmesh.worker.batch_window import BatchTurns, wait_for_active_sessions
 from specmesh.worker.cost_probe import (PROBE_DRAFTS, PROBE_VERIFY_DRAFTS, BackgroundCostProbe, RequestActivity,
                                         costs_now_or_in_background, probe_context, timed)
+from specmesh.worker.idle_upkeep import IdleUpkeep, spare_context_upkeep
 from specmesh.worker.role import ModelDescription
 from specmesh.worker.session_store import Session, SessionLimits, SessionStore, kv_sessions, request_session
 from verifier.config import BatchingConfig
@@ -83,6 +84,7 @@ class VerifyEngine:
         self.verify_costs: tuple[tuple[int, float], ...] = ()
         self._activity = RequestActivity()  # when the background cost probe may run
         self._cost_probe: BackgroundCostProbe | None = None
+        self._upkeep: IdleUpkeep | None = None  # what the engine prepares while idle (a spare ik context)
         self._probe_session: Session | None = None  # the cost probe's, while it measures
 
     def verify(self, session_id: str, base_length: int, base_hash: int, new_tokens: list[int],
@@ -246,7 +248,10 @@ class VerifyEngine:
         then report the costs cached for this model and machine, or start measuring them in the background (the
         coordinator's prior for its draft length policy; see specmesh/worker/cost_probe.py)."""
         self.stop_background_work()  # a warm-up again measures again: one probe at a time
-        self.verify("warm-up", 0, EMPTY_HASH, [0, 1, 2, 3], [4, 5], [], SamplingParams(), 0)
+        # On the probe's context: the cost probe's session then resumes from what the warm-up left cached, and never
+        # takes the spare context the idle upkeep keeps for the first request (ik).
+        context = probe_context(self.loaded.vocab_size)
+        self.verify("warm-up", 0, EMPTY_HASH, context[:-2], context[-2:], [], SamplingParams(), 0)
         if self.max_batch_size > 1:
             pair = [_Request(f"warm-up-{i}", 0, EMPTY_HASH, [0, 1, 2 + i], [4], [], SamplingParams(), 0)
                     for i in range(2)]
@@ -261,11 +266,15 @@ class VerifyEngine:
         self._cost_probe = costs_now_or_in_background(
             "verifier", self.loaded, self._activity, probes, publish=self._publish_costs,
             to_costs=lambda seconds: [[k, s] for k, s in sorted(seconds.items())], finish=self._drop_probe_session)
+        self._upkeep = spare_context_upkeep("verifier", self.loaded, self._activity, self._model_lock)
 
     def stop_background_work(self) -> None:
-        """Stop measuring the costs, if it still is (within one probe call): for the server's stop."""
+        """Stop measuring the costs, if it still is, and the idle upkeep (within one call each): for the server's
+        stop."""
         if self._cost_probe is not None:
             self._cost_probe.stop()
+        if self._upkeep is not None:
+            self._upkeep.stop()
 
     def _publish_costs(self, costs) -> None:
         """Costs as cached (JSON: [[drafts, seconds], ...]): Info reports them from now on."""

@@ -38,6 +38,18 @@ STOP_WAIT_S = 10.0  # how long stopping waits for the probe call in flight (one 
 # most BUSY_RETRY_S of such calls and pauses in all; past that, the costs are measured on the busy machine (logged).
 BUSY_PAUSE_S = 0.5
 BUSY_RETRY_S = 20.0
+# Before a probe call, other processes' CPU is sampled this long, and while they compute the call waits (within the
+# same BUSY_RETRY_S): the other worker of a pair serving a request is not slowed by this one's probe (on 2 cores a
+# probe call takes a core the other worker's model step wants). SPECMESH_PROBE_QUIET_SAMPLE_S overrides it; 0: no
+# sampling (the tests, on a machine that other test processes share).
+QUIET_MACHINE_SAMPLE_S = 0.2
+
+
+def quiet_machine_sample_s() -> float:
+    try:
+        return max(float(os.environ.get("SPECMESH_PROBE_QUIET_SAMPLE_S", QUIET_MACHINE_SAMPLE_S)), 0.0)
+    except ValueError:
+        return QUIET_MACHINE_SAMPLE_S
 
 Key = TypeVar("Key")
 
@@ -109,16 +121,16 @@ def _turns_path():
     return cache_dir() / "costs" / "probe.lock"
 
 
-def read_cached_costs(key: dict | None) -> Any | None:
-    """The costs measured for `key` within COST_CACHE_TTL_S, as they were written; None when there are none (or no
-    key): a restarted worker (after a crash, for failover) reports them from its first Info instead of measuring."""
+def read_cached_costs(key: dict | None, max_age_s: float | None = None) -> Any | None:
+    """The costs measured for `key` within `max_age_s` (default COST_CACHE_TTL_S), as they were written; None when there are none (or no key): a
+    restarted worker (after a crash, for failover) reports them from its first Info instead of measuring."""
     import json
 
     if key is None:
         return None
     try:
         cached = json.loads(_cache_path(key).read_text())
-        if time.time() - cached["measured_at"] < COST_CACHE_TTL_S:
+        if time.time() - cached["measured_at"] < (COST_CACHE_TTL_S if max_age_s is None else max_age_s):
             return cached["costs"]
     except (OSError, ValueError, KeyError, TypeError):
         pass
@@ -160,6 +172,7 @@ class RequestActivity:
         with self._changed:
             self._in_flight += 1
             self._arrivals += 1
+            self._changed.notify_all()
         try:
             yield
         finally:
@@ -183,6 +196,15 @@ class RequestActivity:
                     return self._arrivals
                 self._changed.wait(remaining)  # None: until a request ends (or wake)
         return None
+
+    def wait_for_arrival(self, seen: int, stopped: threading.Event) -> bool:
+        """Block until more than `seen` requests have arrived in all; False as soon as `stopped` is set (see wake)."""
+        with self._changed:
+            while not stopped.is_set():
+                if self._arrivals > seen:
+                    return True
+                self._changed.wait()
+        return False
 
     def wake(self) -> None:
         """Wake wait_until_quiet to look at its `stopped` event again."""
@@ -223,6 +245,7 @@ class BackgroundCostProbe:
         self._others_cpu = others_cpu if others_cpu is not None else OthersCpu
         self._busy_s = 0.0  # spent on calls made again because other processes computed, and the pauses after them
         self._warned_busy = False
+        self.waited_calls = 0  # calls put off because other processes were computing when they were due
         self.busy_calls = 0  # calls made again because other processes computed
         self._activity = activity
         self._probes = probes
@@ -236,7 +259,7 @@ class BackgroundCostProbe:
     def start(self) -> "BackgroundCostProbe":
         log.info("%s: no cached costs: measuring them in the background while no request is served (Info reports "
                  "none until then)", self.role)
-        _running.add(self)
+        stop_at_exit(self)
         self.thread.start()
         return self
 
@@ -267,6 +290,27 @@ class BackgroundCostProbe:
         log.info("%s: costs measured in the background in %.1f s%s: %s", self.role, time.monotonic() - started,
                  f" ({self.busy_calls} calls made again: other processes computed)" if self.busy_calls else "", costs)
 
+    def _machine_quiet(self) -> bool:
+        """Sample other processes' CPU for quiet_machine_sample_s(): True when they were quiet (or the budget for waiting
+        on them, BUSY_RETRY_S shared with the calls made again, is spent); False after a busy sample and a pause, when
+        the caller looks again (a request of this worker may have come meanwhile)."""
+        sample_s = quiet_machine_sample_s()
+        if sample_s <= 0 or self._busy_s >= BUSY_RETRY_S:
+            return True
+        with self._others_cpu() as others:
+            if self._stopped.wait(sample_s):
+                raise ProbeStopped
+        if not others.busy:
+            return True
+        if not self.waited_calls:
+            log.info("%s: other processes are computing: its cost probe waits for them (at most %g s in all)",
+                     self.role, BUSY_RETRY_S)
+        self.waited_calls += 1
+        self._busy_s += others.wall_s + BUSY_PAUSE_S
+        if self._stopped.wait(BUSY_PAUSE_S):
+            raise ProbeStopped
+        return False
+
     def _undisturbed(self, probe: Callable[[], float | None]) -> Callable[[], float]:
         """The probe call as fastest_runs runs it: made (again) until it has measured with no request around, in this
         machine's probe turn (the other workers' probes wait), and with no other process computing meanwhile, as far
@@ -276,6 +320,8 @@ class BackgroundCostProbe:
                 arrivals = self._activity.wait_until_quiet(QUIET_BEFORE_PROBE_S, self._stopped)
                 if arrivals is None:
                     raise ProbeStopped
+                if not self._machine_quiet():
+                    continue
                 with probe_turn(_turns_path()), self._others_cpu() as others:
                     seconds = probe()
                 if seconds is None or self._activity.arrivals != arrivals:
@@ -296,12 +342,17 @@ class BackgroundCostProbe:
         return run
 
 
-_running: "weakref.WeakSet[BackgroundCostProbe]" = weakref.WeakSet()  # started, perhaps still measuring
+_running: weakref.WeakSet = weakref.WeakSet()  # probes (and idle upkeeps) started, perhaps still running
+
+
+def stop_at_exit(background) -> None:
+    """Have `background` (anything with stop(wait_s)) stopped at the interpreter's exit, as the probes are."""
+    _running.add(background)
 
 
 @atexit.register
 def _stop_at_exit() -> None:
-    """Stop every probe still measuring before the interpreter freezes its daemon threads. A model thread of its own
+    """Stop every probe still measuring (and every idle upkeep) before the interpreter freezes its daemon threads. A model thread of its own
     (tests, embedding) would be frozen in the middle of a probe call, and torch then aborts the process ("terminate
     called without an active exception"): the call in flight finishes first. Where the main thread is the model
     thread (a worker process) its loop has ended by now, and a call still waiting for it never runs: nothing to wait
@@ -315,13 +366,22 @@ def costs_now_or_in_background(role: str, loaded, activity: RequestActivity,
                                to_costs: Callable[[dict[Key, float]], Any], publish: Callable[[Any], None],
                                finish: Callable[[], None] = lambda: None) -> BackgroundCostProbe | None:
     """The end of a warm-up: publish the costs cached for this model, engine and machine at once; else start measuring
-    them in the background (returned, to be stopped with the engine)."""
+    them in the background (returned, to be stopped with the engine). Costs older than COST_CACHE_TTL_S are published
+    too, and measured again meanwhile: a short-lived worker (`make run` stops its workers after one answer, often
+    before a probe ends) still starts from them, rather than from none until some run outlives its probe."""
     key = cost_cache_key(role, loaded)
-    cached = read_cached_costs(key)
-    if cached is not None:
+    for max_age_s in (COST_CACHE_TTL_S, float("inf")):
+        cached = read_cached_costs(key, max_age_s)
+        if cached is None:
+            continue
         try:
             publish(cached)
-            return None
         except (TypeError, ValueError) as e:  # not what this version writes: measured again, and overwritten
             log.warning("%s: ignoring cached costs %r: %s", role, cached, e)
+            break
+        if max_age_s == COST_CACHE_TTL_S:
+            return None
+        log.info("%s: reporting costs measured over %g h ago while it measures them again", role,
+                 COST_CACHE_TTL_S / 3600)
+        break
     return BackgroundCostProbe(role, activity, probes, to_costs, publish, key, finish).start()

@@ -244,3 +244,54 @@ def test_without_the_prefix_cache_a_session_never_starts_from_anothers_cells():
         assert engine.prefix_hits == 0
     finally:
         engine.close()
+
+
+def test_a_spare_context_made_while_idle_serves_the_next_unmatched_session_exactly():
+    """keep_spare_context makes one empty context (once; within the budget), and a session whose tokens match no
+    cached prefix takes it instead of making a context during its own first pass."""
+    from specmesh.runtime.ik_engine import IkLlamaEngine
+
+    engine = IkLlamaEngine.load(SMOL, context_length=256, max_sessions=2, progress=False)  # 3 contexts at most
+    try:
+        tokens = list(range(1000, 1040))
+        expected = one_token_logits(engine, tokens, len(tokens) - 1)
+        gc.collect()
+        contexts = len(engine._contexts)
+        assert engine.keep_spare_context() and not engine.keep_spare_context()  # one spare, not two
+        assert len(engine._contexts) == contexts + 1
+        unseen = engine.new_sequence()
+        assert torch.equal(unseen.logits_for(tokens[:20] + [7, 8, 9], 1),
+                           one_token_logits(engine, tokens[:20] + [7, 8, 9], 22))
+        assert len(engine._contexts) == contexts + 1  # it took the spare
+        gc.collect()
+        assert torch.equal(engine.new_sequence().logits_for(tokens, 1), expected)
+        while engine.keep_spare_context():  # up to the budget, never past it
+            pass
+        assert len(engine._contexts) == engine.max_contexts == 3
+    finally:
+        engine.close()
+    without = IkLlamaEngine.load(SMOL, context_length=256, max_sessions=2, progress=False, prefix_cache=False)
+    try:
+        assert not without.keep_spare_context()  # any idle context is a spare there
+    finally:
+        without.close()
+
+
+def test_a_verifier_has_a_spare_context_after_warm_up_for_its_first_session_and_another_after_it():
+    from specmesh.runtime.ik_engine import IkLlamaEngine
+    from tests.specmesh.worker.test_idle_upkeep import wait_until
+
+    engine = IkLlamaEngine.load(SMOL, context_length=256, max_sessions=4, progress=False)
+    verifier = VerifyEngine(engine)
+    try:
+        verifier.warm_up()  # makes the spare before it returns (a worker reports SERVING after it)
+        contexts = len(engine._contexts)
+        assert any(not tokens for tokens in engine.cached_prefixes()) and verifier._upkeep.runs == 0
+        from specmesh.wire.history import EMPTY_HASH
+        verifier.verify("first", 0, EMPTY_HASH, list(range(3000, 3030)), [], [], SamplingParams(), 0)
+        assert len(engine._contexts) == contexts  # the first session's pass made no context
+        verifier.end_session("first")
+        wait_until(lambda: verifier._upkeep.runs == 1, timeout_s=30)  # another spare once it is idle again
+    finally:
+        verifier.stop_background_work()
+        engine.close()

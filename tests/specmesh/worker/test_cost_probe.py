@@ -237,6 +237,21 @@ def test_cached_costs_are_published_at_once_without_a_thread(monkeypatch):
     assert probes.published == [0.2] and read_cached_costs({"role": "other"}) == 0.2
 
 
+def test_costs_past_their_age_are_reported_at_once_and_measured_again(monkeypatch, caplog):
+    key = {"role": "test"}
+    monkeypatch.setattr(cost_probe, "cost_cache_key", lambda role, loaded: key)
+    write_cached_costs(key, 0.25)
+    monkeypatch.setattr(cost_probe, "COST_CACHE_TTL_S", 0.0)  # too old to skip measuring, not too old to start from
+    probes = Probes({"a": [0.3, 0.2, 0.4]})
+    with caplog.at_level(logging.INFO, logger=cost_probe.__name__):
+        background = costs_now_or_in_background("test", None, RequestActivity(), {"a": probes.call("a")},
+                                                to_costs=lambda s: s["a"], publish=probes.published.append)
+    assert probes.published[:1] == [0.25]  # before any probe call
+    assert background is not None and wait_until(lambda: not background.thread.is_alive(), 5)
+    assert probes.published == [0.25, 0.2] and read_cached_costs(key, float("inf")) == 0.2
+    assert "reporting costs measured over 0 h ago while it measures them again" in caplog.text
+
+
 def test_cached_costs_this_version_cannot_read_are_measured_again(monkeypatch, caplog):
     key = {"role": "test"}
     monkeypatch.setattr(cost_probe, "cost_cache_key", lambda role, loaded: key)
@@ -250,3 +265,43 @@ def test_cached_costs_this_version_cannot_read_are_measured_again(monkeypatch, c
     assert background is not None and wait_until(lambda: not background.thread.is_alive(), 5)
     assert probes.published == [0.2] and read_cached_costs(key) == 0.2
     assert "ignoring cached costs 'not a number'" in caplog.text
+
+
+def test_a_probe_call_waits_while_other_processes_compute_and_not_past_the_budget(monkeypatch):
+    """Before each call other processes' CPU is sampled: while they compute (the other worker of the pair serving a
+    request), no call is made; the waiting shares BUSY_RETRY_S with the calls made again, and past it the probe
+    measures on the busy machine as before."""
+    monkeypatch.setenv("SPECMESH_PROBE_QUIET_SAMPLE_S", "0.01")
+    monkeypatch.setattr(cost_probe, "BUSY_PAUSE_S", 0.01)
+    readings = BusyFirst(3)  # three busy samples before the first call, then quiet
+    probes = Probes({"a": [0.3, 0.2, 0.4]})
+    calls_when = []
+    original = probes.call
+
+    def call(key):
+        inner = original(key)
+
+        def timed_call():
+            calls_when.append(readings.left)
+            return inner()
+        return timed_call
+    probes.call = call
+    probe = probes.background(RequestActivity(), ["a"], others_cpu=readings).start()
+    probe.thread.join(5)
+    assert probes.published == [[("a", 0.2)]] and probe.waited_calls == 3 and probe.busy_calls == 0
+    assert all(left < 0 for left in calls_when)  # every call came after the busy samples
+
+    monkeypatch.setattr(cost_probe, "BUSY_RETRY_S", 0.05)
+    always = BusyFirst(float("inf"))
+    probes = Probes({"a": [0.3, 0.2, 0.4]})
+    probe = probes.background(RequestActivity(), ["a"], others_cpu=always).start()
+    probe.thread.join(5)
+    assert probes.published == [[("a", 0.2)]] and 1 <= probe.waited_calls <= 6  # waited, then measured anyway
+
+
+def test_without_sampling_no_call_waits(monkeypatch):
+    monkeypatch.setenv("SPECMESH_PROBE_QUIET_SAMPLE_S", "0")
+    probes = Probes({"a": [0.3, 0.2, 0.4]})
+    probe = probes.background(RequestActivity(), ["a"], others_cpu=BusyFirst(0)).start()
+    probe.thread.join(5)
+    assert probes.published == [[("a", 0.2)]] and probe.waited_calls == 0

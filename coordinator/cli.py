@@ -319,12 +319,13 @@ def run_generation(args: argparse.Namespace, streamed: list[str]) -> int:
         except ValueError as e:
             print(f"coordinator: error: {shown(e)}", file=sys.stderr)
             return 2
-    if args.json:
-        print(json.dumps({"status": "ok" if status == 0 else "error", "text": result.text,
-                          "token_ids": result.token_ids, "prompt_tokens": result.prompt_tokens,
-                          "finish_reason": result.finish_reason, "stats": result.stats}))
-    else:
-        print_summary(result)
+        # Before the local workers stop (half a second: the interpreters' teardown), not after.
+        if args.json:
+            print(json.dumps({"status": "ok" if status == 0 else "error", "text": result.text,
+                              "token_ids": result.token_ids, "prompt_tokens": result.prompt_tokens,
+                              "finish_reason": result.finish_reason, "stats": result.stats}), flush=True)
+        else:
+            print_summary(result)
     return status
 
 

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import functools
-import re
 
 import torch
+
+from specmesh.runtime.device_names import check_device_name
 
 _DTYPE_ALIASES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -20,17 +21,11 @@ _DTYPE_ALIASES: dict[str, torch.dtype] = {
 
 
 def resolve_device(name: str) -> torch.device:
-    """Map "auto" / "cpu" / "cuda" / "cuda:N" to a torch.device.
-
-    Anything else is rejected up front so a typo fails loudly instead of
-    surfacing later as an obscure tensor placement error.
-    """
-    name = name.strip().lower()
+    """Map "auto" / "cpu" / "cuda" / "cuda:N" to a torch.device (anything else: ValueError, device_names)."""
+    name = check_device_name(name)
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name in ("cpu", "cuda") or re.fullmatch(r"cuda:\d+", name):
-        return torch.device(name)
-    raise ValueError(f"unknown device {name!r}: expected auto, cpu, cuda or cuda:N")
+    return torch.device(name)
 
 
 @functools.lru_cache(maxsize=1)

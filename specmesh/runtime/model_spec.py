@@ -33,16 +33,18 @@ def check_model(spec: str, flag: str = "--model", engine: str = "auto", device: 
 
 
 def check_engine(spec: str, flag: str, engine: str, device: str, dtype: str) -> None:
-    from specmesh.runtime.devices import resolve_device, resolve_dtype
+    from specmesh.runtime.device_names import check_device_name
     from specmesh.runtime.engine import ENGINES, ik_available, is_gguf_spec, llamacpp_available
 
     if engine not in ENGINES:
         raise ValueError(f"--engine {engine!r} is no engine: pass one of {', '.join(ENGINES)}")
     try:
-        resolve_device(device)
+        check_device_name(device)
     except ValueError as e:
         raise ValueError(f"--device: {e}") from None
     if dtype != "auto":
+        from specmesh.runtime.devices import resolve_dtype  # torch: only for a float dtype, which needs it anyway
+
         try:
             resolve_dtype(dtype, "cpu")
         except ValueError as e:
@@ -64,9 +66,11 @@ def check_engine(spec: str, flag: str, engine: str, device: str, dtype: str) -> 
 
 
 def check_source(spec: str, flag: str) -> None:
+    if spec in catalog.CATALOG:  # the default models: no torch import (specmesh.runtime.models) to check them
+        return
     from specmesh.runtime.models import TINY_PRESETS
 
-    if spec in catalog.CATALOG or spec in TINY_PRESETS:
+    if spec in TINY_PRESETS:
         return
     path = Path(spec).expanduser()
     if spec.startswith("tiny-random-") and not path.exists():

@@ -17,7 +17,6 @@ with ``save_pretrained`` and later loads take seconds.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import shutil
@@ -40,8 +39,9 @@ from specmesh.runtime import onednn
 from specmesh.runtime.mapped_weights import hold_weights_once
 from specmesh.runtime.devices import configure_cpu, resolve_device, resolve_dtype
 from specmesh.runtime.fingerprint import tokenizer_fingerprint
+from specmesh.runtime.gguf_cache import CONVERTED_MARKER, converted_dir, gguf_source, is_converted
+from specmesh.runtime.tiny_presets import TINY_PRESETS, TINY_VOCAB_MULTIPLE, TinyPreset, is_tiny_preset
 
-_CONVERTED_MARKER = "specmesh_converted.json"
 
 
 @dataclass(frozen=True)
@@ -61,48 +61,6 @@ class LoadedModel:
 # --------------------------------------------------------------------------
 # tiny random presets
 # --------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TinyPreset:
-    arch: str  # "qwen2" or "llama"
-    seed: int
-    special_tokens: tuple[str, ...]
-    eos_token: str
-    bos_token: str | None = None
-    description: str = ""
-
-
-_QWEN_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-
-TINY_PRESETS: dict[str, TinyPreset] = {
-    "tiny-random-qwen2": TinyPreset(
-        "qwen2", 0, _QWEN_SPECIALS, "<|endoftext|>",
-        description="toy Qwen2, byte-level tokenizer",
-    ),
-    # Same tokenizer as tiny-random-qwen2, different weights: a compatible
-    # but unrelated draft (low acceptance rate).
-    "tiny-random-qwen2-b": TinyPreset(
-        "qwen2", 1, _QWEN_SPECIALS, "<|endoftext|>",
-        description="toy Qwen2 with other weights, same tokenizer as tiny-random-qwen2",
-    ),
-    # Different special tokens => different tokenizer fingerprint, for
-    # tokenizer-mismatch tests (same logits width on purpose, so only the
-    # fingerprint can tell them apart).
-    "tiny-random-llama": TinyPreset(
-        "llama", 2, ("<s>", "</s>", "<unk>"), "</s>", bos_token="<s>",
-        description="toy Llama, byte-level tokenizer with different special tokens",
-    ),
-}
-
-# Tokenizer vocab (256 bytes + a few specials) is padded up to this multiple,
-# like real checkpoints (Qwen2.5: 151,665 tokens, 151,936 logits), so code
-# that confuses len(tokenizer) with the logits width fails in unit tests.
-TINY_VOCAB_MULTIPLE = 64
-
-
-def is_tiny_preset(spec: str) -> bool:
-    return spec in TINY_PRESETS
 
 
 def _byte_to_unicode() -> dict[int, str]:
@@ -206,17 +164,6 @@ def _quiet_progress(progress: bool) -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
-def converted_dir(label: str, key: str) -> Path:
-    """Directory of the cached HF conversion of a GGUF (may not exist yet)."""
-    return catalog.cache_dir() / "converted" / f"{label}-{key}"
-
-
-def is_converted(path: Path) -> bool:
-    # The marker is written before the atomic rename, so its presence means
-    # the directory is complete.
-    return (path / _CONVERTED_MARKER).is_file()
-
-
 def convert_gguf(gguf: Path, out: Path, progress: bool) -> None:
     """Dequantise `gguf` once and save it as float32 safetensors at `out`.
 
@@ -247,7 +194,7 @@ def convert_gguf(gguf: Path, out: Path, progress: bool) -> None:
             tokenizer.save_pretrained(tmp)
             del model, tokenizer
             st = gguf.stat()
-            (tmp / _CONVERTED_MARKER).write_text(json.dumps({
+            (tmp / CONVERTED_MARKER).write_text(json.dumps({
                 "source": str(gguf), "source_size": st.st_size,
                 "transformers": transformers.__version__, "dtype": "float32",
             }, indent=1) + "\n")
@@ -257,24 +204,6 @@ def convert_gguf(gguf: Path, out: Path, progress: bool) -> None:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-
-
-def gguf_source(spec: str) -> tuple[Path, str, str] | None:
-    """(gguf path, cache label, cache key) for catalog names and .gguf paths."""
-    if spec in catalog.CATALOG:
-        entry = catalog.CATALOG[spec]
-        return catalog.gguf_path(spec), spec, entry.sha256[:16]
-    path = Path(spec).expanduser()
-    if path.suffix.lower() == ".gguf":
-        if not path.is_file():
-            raise FileNotFoundError(f"GGUF file not found: {path}")
-        path = path.resolve()
-        st = path.stat()
-        # Path+size+mtime instead of hashing: cheap, and a rewritten file
-        # gets a new conversion.
-        key = hashlib.sha256(f"{path}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:16]
-        return path, path.stem, key
-    return None
 
 
 # --------------------------------------------------------------------------

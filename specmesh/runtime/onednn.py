@@ -20,7 +20,7 @@ import functools
 
 import torch
 
-BACKENDS = ("auto", "torch", "onednn")
+from specmesh.runtime.linear_backends import BACKENDS
 
 
 class OneDnnLinear(torch.nn.Module):

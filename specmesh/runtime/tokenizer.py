@@ -12,7 +12,8 @@ import tempfile
 from pathlib import Path
 
 from specmesh.runtime import catalog
-from specmesh.runtime import models
+from specmesh.runtime.gguf_cache import converted_dir, gguf_source, is_converted
+from specmesh.runtime.tiny_presets import TINY_PRESETS, is_tiny_preset
 
 
 def tokenizer_dir(label: str, key: str) -> Path:
@@ -48,16 +49,18 @@ def _convert_tokenizer(gguf: Path, out: Path, progress: bool) -> None:
 def load_tokenizer(spec: str, progress: bool = True):
     from transformers import AutoTokenizer
 
-    if models.is_tiny_preset(spec):
-        return models.tiny_tokenizer(models.TINY_PRESETS[spec])
+    if is_tiny_preset(spec):
+        from specmesh.runtime.models import tiny_tokenizer  # torch: only the tiny presets need it
+
+        return tiny_tokenizer(TINY_PRESETS[spec])
     if spec in catalog.CATALOG:
         catalog.fetch(spec, progress=progress)
-    source = models.gguf_source(spec)
+    source = gguf_source(spec)
     if source is None:
         return AutoTokenizer.from_pretrained(spec)  # local HF directory or hub id
     gguf, label, key = source
-    converted = models.converted_dir(label, key)
-    if models.is_converted(converted):  # the transformers engine's full conversion holds the tokenizer too
+    converted = converted_dir(label, key)
+    if is_converted(converted):  # the transformers engine's full conversion holds the tokenizer too
         return AutoTokenizer.from_pretrained(converted)
     only = tokenizer_dir(label, key)
     if not (only / "tokenizer_config.json").is_file():
@@ -74,7 +77,7 @@ class GgufTokenizer:
         from specmesh.runtime.fingerprint import SCHEME, tokenizer_fingerprint
 
         self._spec, self._progress, self._loaded = spec, progress, None
-        _, label, key = models.gguf_source(spec)
+        _, label, key = gguf_source(spec)
         path = catalog.cache_dir() / "converted" / f"{label}-{key}-tokenizer-facts.json"
         try:
             facts = json.loads(path.read_text())

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from specmesh.ops import config as flag_config
-from specmesh.runtime import onednn
+from specmesh.runtime import linear_backends
 from specmesh.ops.config import add_config_argument
 from specmesh.ops.flags import (DefaultsHelpFormatter, add_logging_flags, add_metrics_flags,
                                 add_server_security_flags)
@@ -53,7 +53,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser, default_model: str) -> 
                         help="a new session starts from the cached keys/values of a finished one that shares its "
                         "prefix (turn n of a conversation prefills only what it added); --no-prefix-cache for "
                         "benchmarks of decoding alone")
-    parser.add_argument("--linear-backend", choices=onednn.BACKENDS, default="auto",
+    parser.add_argument("--linear-backend", choices=linear_backends.BACKENDS, default="auto",
                         help="CPU linear layers: onednn runs them with oneDNN's inner product, which makes a pass over a "
                         "few tokens (verifying k drafts, batched sessions) far cheaper than torch's default kernels; "
                         "auto = onednn on CPU where it supports the dtype")

@@ -12,14 +12,16 @@ import dataclasses
 import itertools
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from specmesh.runtime import onednn
+from specmesh.runtime import linear_backends
 from specmesh.runtime.engine import ENGINES, ModelEngine, as_engine, load_engine
-from specmesh.runtime.models import LoadedModel
 from specmesh.wire.limits import DEFAULT_MAX_DRAFT_TOKENS
 from specmesh.wire.security import TlsFiles
 from specmesh.worker.session_store import SessionLimits
+
+if TYPE_CHECKING:  # torch: a GGUF engine's worker never imports it
+    from specmesh.runtime.models import LoadedModel
 
 
 @dataclass(frozen=True)
@@ -63,8 +65,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
-        if self.linear_backend not in onednn.BACKENDS:
-            raise ValueError(f"linear_backend must be one of {', '.join(onednn.BACKENDS)}, "
+        if self.linear_backend not in linear_backends.BACKENDS:
+            raise ValueError(f"linear_backend must be one of {', '.join(linear_backends.BACKENDS)}, "
                              f"got {self.linear_backend!r}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")

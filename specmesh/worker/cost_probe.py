@@ -122,8 +122,9 @@ def _turns_path():
 
 
 def read_cached_costs(key: dict | None, max_age_s: float | None = None) -> Any | None:
-    """The costs measured for `key` within `max_age_s` (default COST_CACHE_TTL_S), as they were written; None when there are none (or no key): a
-    restarted worker (after a crash, for failover) reports them from its first Info instead of measuring."""
+    """The costs measured for `key` within `max_age_s` (default COST_CACHE_TTL_S), as they were written; None when
+    there are none (or no key): a restarted worker (after a crash, for failover) reports them from its first Info
+    instead of measuring."""
     import json
 
     if key is None:
@@ -291,9 +292,9 @@ class BackgroundCostProbe:
                  f" ({self.busy_calls} calls made again: other processes computed)" if self.busy_calls else "", costs)
 
     def _machine_quiet(self) -> bool:
-        """Sample other processes' CPU for quiet_machine_sample_s(): True when they were quiet (or the budget for waiting
-        on them, BUSY_RETRY_S shared with the calls made again, is spent); False after a busy sample and a pause, when
-        the caller looks again (a request of this worker may have come meanwhile)."""
+        """Sample other processes' CPU for quiet_machine_sample_s(): True when they were quiet (or the budget for
+        waiting on them, BUSY_RETRY_S shared with the calls made again, is spent); False after a busy sample and a
+        pause, when the caller looks again (a request of this worker may have come meanwhile)."""
         sample_s = quiet_machine_sample_s()
         if sample_s <= 0 or self._busy_s >= BUSY_RETRY_S:
             return True
@@ -352,9 +353,9 @@ def stop_at_exit(background) -> None:
 
 @atexit.register
 def _stop_at_exit() -> None:
-    """Stop every probe still measuring (and every idle upkeep) before the interpreter freezes its daemon threads. A model thread of its own
-    (tests, embedding) would be frozen in the middle of a probe call, and torch then aborts the process ("terminate
-    called without an active exception"): the call in flight finishes first. Where the main thread is the model
+    """Stop every probe still measuring (and every idle upkeep) before the interpreter freezes its daemon threads.
+    A model thread of its own (tests, embedding) would be frozen in the middle of a probe call, and torch then aborts
+    the process ("terminate called without an active exception"): the call in flight finishes first. Where the main thread is the model
     thread (a worker process) its loop has ended by now, and a call still waiting for it never runs: nothing to wait
     for."""
     for probe in list(_running):

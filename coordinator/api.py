@@ -48,6 +48,7 @@ LEARNED_TTL_S = 600.0
 # one that runs a model reports none, its Info is read again before a generation, at most this often.
 COST_REFRESH_S = 5.0
 COST_REFRESH_TIMEOUT_S = 2.0
+COST_WAIT_POLL_S = 0.5  # wait_for_costs: an Info call every half second (the probes wait for a quiet machine)
 
 log = logging.getLogger("specmesh.coordinator")
 
@@ -267,6 +268,20 @@ class Coordinator:
         """Whether a worker that runs a model reports no costs yet (it is measuring them)."""
         return any(measures_costs_later(info) for info in (self.verifier_info, self.drafter_info,
                                                             self.suffix_drafter_info))
+
+    def wait_for_costs(self, timeout_s: float) -> bool:
+        """Wait until every worker that runs a model reports its costs (measured while it serves nothing): True once
+        they all do, False after `timeout_s`. For a short-lived coordinator (`coordinator generate` on local workers),
+        whose workers would otherwise stop before measuring: a GGUF worker caches its costs, and the next start
+        reports them at once."""
+        deadline = time.monotonic() + timeout_s
+        while self.costs_pending():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(COST_WAIT_POLL_S)
+            self._costs_read_at = -math.inf  # read them now, not COST_REFRESH_S after the last read
+            self._refresh_costs()
+        return True
 
     def _refresh_costs(self) -> None:
         """Before a generation: read the Info of the workers again while they measure their costs, at most every

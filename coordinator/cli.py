@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from types import ModuleType
@@ -326,7 +328,39 @@ def run_generation(args: argparse.Namespace, streamed: list[str]) -> int:
                               "finish_reason": result.finish_reason, "stats": result.stats}), flush=True)
         else:
             print_summary(result)
+        if args.verifier is None and args.drafter is None and not args.suffix_drafter:
+            measure_costs_for_later_runs(coordinator)
     return status
+
+
+# How long `coordinator generate` waits, after its answer, for local workers to measure their costs (seconds of probe
+# calls on a quiet machine: a verify of up to 16 drafts and a 4-token proposal, 3 times each).
+COSTS_FOR_LATER_RUNS_S = 60.0
+
+
+def measure_costs_for_later_runs(coordinator) -> None:
+    """After the answer: when the local workers have not measured their costs yet (they do while they serve nothing,
+    and a generation keeps them busy), give them up to COSTS_FOR_LATER_RUNS_S to finish, once, for the runs after
+    this one. GGUF workers cache their costs for 6 hours (specmesh/worker/cost_probe.py), so the next `make run`
+    starts its cost policy from them; without this, workers stopped after each answer would never measure them, and
+    the cost policy would never draft. Not for engines that keep no cache (transformers), nor with
+    SPECMESH_COST_CACHE=0: their next start measures again whatever this one does. Ctrl-C skips it."""
+    engines = [info.engine for info in (coordinator.verifier_info, coordinator.drafter_info) if info is not None]
+    if not coordinator.costs_pending() or os.environ.get("SPECMESH_COST_CACHE", "1") == "0" \
+            or any(engine not in ("ik", "llamacpp") for engine in engines if engine):
+        return
+    print(f"coordinator: the workers measure their costs for later runs' draft policy (once; cached for 6 h; at most "
+          f"{COSTS_FOR_LATER_RUNS_S:.0f} s; Ctrl-C skips it)", file=sys.stderr, flush=True)
+    started = time.monotonic()
+    try:
+        measured = coordinator.wait_for_costs(COSTS_FOR_LATER_RUNS_S)
+    except KeyboardInterrupt:
+        print("coordinator: skipped: the next run measures them again", file=sys.stderr)
+        return
+    took = time.monotonic() - started
+    print(f"coordinator: costs measured in {took:.1f} s: later runs start from them" if measured else
+          f"coordinator: the workers had not measured their costs after {took:.0f} s (a busy machine?): the next run "
+          "measures them again", file=sys.stderr)
 
 
 def serve(args: argparse.Namespace) -> int:

@@ -16,6 +16,11 @@ from dataclasses import dataclass
 from coordinator.polling import wait_until
 from coordinator.worker_client import RemoteWorker, WorkerError
 
+# The environment variables of the coordinator's that its local workers get (specmesh/worker/cost_probe.py reads the
+# last two; a worker started by hand reads them from its own environment).
+SHARED_VARIABLES = ("SPECMESH_TOKEN", "SPECMESH_TOKEN_FILE", "SPECMESH_CACHE_DIR", "SPECMESH_COST_CACHE",
+                    "SPECMESH_PROBE_QUIET_SAMPLE_S")
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A port that was free a moment ago (for a worker's --metrics-port, which must be known in advance)."""
@@ -49,10 +54,9 @@ class LocalWorker:
                    *spec.extra_args]
         if spec.threads:
             command += ["--threads", str(spec.threads)]
-        # The coordinator's own SPECMESH_* flag variables (a metrics port, say) are not the worker's; the token and
-        # the model cache are shared.
-        env = {k: v for k, v in os.environ.items()
-               if not k.startswith("SPECMESH_") or k in ("SPECMESH_TOKEN", "SPECMESH_TOKEN_FILE", "SPECMESH_CACHE_DIR")}
+        # The coordinator's own SPECMESH_* flag variables (a metrics port, say) are not the worker's; the token, the
+        # model cache and the cost probe's settings are shared.
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SPECMESH_") or k in SHARED_VARIABLES}
         # The worker dies with this process however it ends (even SIGKILL): its stdin is a pipe only this process
         # holds, and --exit-on-stdin-eof stops it when the pipe closes (specmesh/worker/lifeline.py says why not
         # PR_SET_PDEATHSIG). Its own process group keeps a terminal's Ctrl-C away from it: the parent decides

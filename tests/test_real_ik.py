@@ -157,3 +157,36 @@ def test_a_started_verifier_serves_its_first_session_from_a_spare_context(pair):
     finally:
         verifier.stop_background_work()
         started.close()
+
+
+def test_make_run_measures_the_costs_once_for_the_runs_after_it(tmp_path):
+    """`coordinator generate` on its own local workers, on a machine with no cached costs: after the answer it waits
+    for the workers to measure their costs; the next run starts its cost policy from them (cached) instead of
+    drafting off for want of costs, and waits for nothing."""
+    import os
+    import subprocess
+    import sys
+
+    from specmesh.runtime.catalog import cache_dir
+
+    for shared in ("models", "converted", "wheels"):  # the models and tokenizers as cached; no costs
+        if (cache_dir() / shared).exists():
+            (tmp_path / shared).symlink_to(cache_dir() / shared)
+    env = {**os.environ, "SPECMESH_CACHE_DIR": str(tmp_path)}
+    env.pop("SPECMESH_COST_CACHE", None)
+
+    def generate() -> tuple[dict, str]:
+        run = subprocess.run([sys.executable, "-m", "coordinator", "generate", "--prompt", PROMPTS[0]["prompt"],
+                              "--max-new-tokens", "4", "--json"], capture_output=True, text=True, timeout=600,
+                             env=env)
+        assert run.returncode == 0, run.stderr
+        return json.loads(run.stdout), run.stderr
+
+    first, said = generate()
+    assert "the workers have not measured their costs yet" in first["stats"]["draft_note"]
+    assert "costs measured in" in said, said
+    assert len(list((tmp_path / "costs").glob("*.json"))) == 2  # the verifier's and the drafter's
+    second, said = generate()
+    assert "not measured" not in (second["stats"].get("draft_note") or "")
+    assert "measure their costs" not in said
+    assert second["token_ids"] == first["token_ids"]

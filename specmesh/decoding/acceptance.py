@@ -11,8 +11,10 @@ from __future__ import annotations
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # imported where a tensor is handled: the coordinator uses Verdict only, and never imports torch
+    import torch
 
 from .sampling import SamplingParams, SparseDist, Stream, greedy_argmax, sample_index, uniform, warp_probs
 
@@ -67,6 +69,8 @@ def sampled_verdict(
     # p_i(x_i) for every draft at once: a single device->host transfer.
     p_draft = []
     if k:
+        import torch
+
         cols = torch.tensor(tokens, dtype=torch.long, device=device)
         p_draft = p[torch.arange(k, device=device), cols].tolist()
 

@@ -16,11 +16,14 @@ import itertools
 import math
 import numbers
 import operator
+import sys
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # imported where a tensor is handled: the coordinator uses the dataclasses only, and never torch
+    import torch
 
 _MAX_TEMPERATURE = 100.0
 _U64 = 2**64
@@ -92,6 +95,8 @@ def warp_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     Order and semantics follow HF transformers: temperature, then top-k, then
     top-p.  Greedy params give a one-hot at the argmax (first index on ties).
     """
+    import torch
+
     if logits.dim() < 1 or logits.shape[-1] == 0:
         raise ValueError(f"logits must have shape [..., V] with V > 0, got {tuple(logits.shape)}")
     if params.is_greedy:
@@ -121,6 +126,12 @@ def warp_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs
 
 
+def _is_tensor(value: object) -> bool:
+    """Whether `value` is a torch tensor, without importing torch (a tensor exists only where torch is imported)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
 def sample_index(probs: torch.Tensor | Sequence[float], u: float) -> int:
     """Inverse-CDF sample from a 1-D non-negative weight vector using ``u``.
 
@@ -131,13 +142,15 @@ def sample_index(probs: torch.Tensor | Sequence[float], u: float) -> int:
     """
     if not (0.0 <= u < 1.0):
         raise ValueError(f"u must be in [0, 1), got {u!r}")
-    if not isinstance(probs, torch.Tensor):
+    if not _is_tensor(probs):
         cdf = list(itertools.accumulate(probs))
         total = cdf[-1] if cdf else 0.0
         if not (math.isfinite(total) and total > 0.0) or min(probs) < 0.0:
             raise ValueError("probs must be finite, non-negative and not all zero")
         idx = bisect.bisect_right(cdf, u * total)
     else:
+        import torch
+
         if probs.dim() != 1 or probs.numel() == 0:
             raise ValueError(f"probs must be a non-empty 1-D tensor, got shape {tuple(probs.shape)}")
         cdf = torch.cumsum(probs, dim=0, dtype=torch.float64)
@@ -149,8 +162,8 @@ def sample_index(probs: torch.Tensor | Sequence[float], u: float) -> int:
     # has the same cdf as its predecessor (or 0 at index 0), so it is never
     # first; only if u*total rounded up to total can idx run off the end.
     if idx >= len(cdf):  # take the last positive weight
-        if isinstance(probs, torch.Tensor):
-            idx = int(torch.nonzero(probs).max())
+        if _is_tensor(probs):
+            idx = int(probs.nonzero().max())
         else:
             idx = max(i for i, w in enumerate(probs) if w > 0)
     return idx
@@ -200,12 +213,16 @@ class SparseDist:
 
     def weights(self, device: torch.device | str | None = None) -> torch.Tensor:
         """Un-normalised float64 weights aligned with ``token_ids``."""
+        import torch
+
         return torch.tensor(self.probs, dtype=torch.float64, device=device)
 
     def dense(self, vocab_size: int, device: torch.device | str | None = None) -> torch.Tensor:
         """Normalised float64 [vocab_size] vector."""
         if max(self.token_ids) >= vocab_size:
             raise ValueError(f"token id {max(self.token_ids)} out of range for vocab_size {vocab_size}")
+        import torch
+
         out = torch.zeros(vocab_size, dtype=torch.float64, device=device)
         ids = torch.tensor(self.token_ids, dtype=torch.long, device=device)
         out[ids] = self.weights(device) / self._total
@@ -220,6 +237,8 @@ def truncate_distribution(probs: torch.Tensor, top_p: float = 0.999, max_entries
     from the truncated distribution itself, and speculative sampling is exact
     for any q it is given.  It only lowers acceptance slightly.
     """
+    import torch
+
     if probs.dim() != 1 or probs.numel() == 0:
         raise ValueError(f"probs must be a non-empty 1-D tensor, got shape {tuple(probs.shape)}")
     if not (0.0 < top_p <= 1.0):
@@ -263,6 +282,8 @@ def greedy_argmax(logits: torch.Tensor) -> list[int] | int:
     tenth of a single-threaded torch.argmax's time (10 against 130 us), time every greedy step of the verifier and the
     drafter pays between two forward passes. Both return the same index, NaN included (the first NaN counts as the
     maximum)."""
+    import torch
+
     if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64) and not logits.requires_grad:
         best = logits.numpy().argmax(axis=-1)
     else:

@@ -355,9 +355,9 @@ def stop_at_exit(background) -> None:
 def _stop_at_exit() -> None:
     """Stop every probe still measuring (and every idle upkeep) before the interpreter freezes its daemon threads.
     A model thread of its own (tests, embedding) would be frozen in the middle of a probe call, and torch then aborts
-    the process ("terminate called without an active exception"): the call in flight finishes first. Where the main thread is the model
-    thread (a worker process) its loop has ended by now, and a call still waiting for it never runs: nothing to wait
-    for."""
+    the process ("terminate called without an active exception"): the call in flight finishes first. Where the main
+    thread is the model thread (a worker process) its loop has ended by now, and a call still waiting for it never
+    runs: nothing to wait for."""
     for probe in list(_running):
         probe.stop(0.0 if model_thread.uses_main_thread() else STOP_WAIT_S)
 

@@ -1,5 +1,6 @@
 """Where a GGUF model's cached conversions live, and the key that names them, without torch: the coordinator's
-tokenizer and the n-gram drafter read these caches, and importing torch (a second of CPU) would slow their start."""
+tokenizer reads these caches while its local workers load, and importing torch there (a second of CPU) would slow
+them (specmesh/runtime/models.py, which converts, re-exports these)."""
 
 from __future__ import annotations
 

@@ -66,11 +66,9 @@ def check_engine(spec: str, flag: str, engine: str, device: str, dtype: str) -> 
 
 
 def check_source(spec: str, flag: str) -> None:
-    if spec in catalog.CATALOG:  # the default models: no torch import (specmesh.runtime.models) to check them
-        return
-    from specmesh.runtime.models import TINY_PRESETS
+    from specmesh.runtime.tiny_presets import TINY_PRESETS
 
-    if spec in TINY_PRESETS:
+    if spec in catalog.CATALOG or spec in TINY_PRESETS:
         return
     path = Path(spec).expanduser()
     if spec.startswith("tiny-random-") and not path.exists():

@@ -20,7 +20,7 @@ from specmesh.wire.limits import DEFAULT_MAX_DRAFT_TOKENS
 from specmesh.wire.security import TlsFiles
 from specmesh.worker.session_store import SessionLimits
 
-if TYPE_CHECKING:  # torch: a GGUF engine's worker never imports it
+if TYPE_CHECKING:  # for the annotation only: importing models imports torch, which a config need not
     from specmesh.runtime.models import LoadedModel
 
 

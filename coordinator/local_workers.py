@@ -16,10 +16,11 @@ from dataclasses import dataclass
 from coordinator.polling import wait_until
 from coordinator.worker_client import RemoteWorker, WorkerError
 
-# The environment variables of the coordinator's that its local workers get (specmesh/worker/cost_probe.py reads the
-# last two; a worker started by hand reads them from its own environment).
+# The environment variables of the coordinator's that its local workers get (specmesh/worker/cost_probe.py reads
+# SPECMESH_COST_CACHE and SPECMESH_PROBE_QUIET_SAMPLE_S, a worker's start SPECMESH_HUGE_PAGES; a worker started by hand
+# reads them from its own environment).
 SHARED_VARIABLES = ("SPECMESH_TOKEN", "SPECMESH_TOKEN_FILE", "SPECMESH_CACHE_DIR", "SPECMESH_COST_CACHE",
-                    "SPECMESH_PROBE_QUIET_SAMPLE_S")
+                    "SPECMESH_PROBE_QUIET_SAMPLE_S", "SPECMESH_HUGE_PAGES")
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -1,5 +1,17 @@
+"""`python -m drafter` and the `drafter` command: the worker restarts itself on huge pages first, before the imports
+that allocate (specmesh/runtime/huge_pages.py)."""
+
 import sys
 
-from drafter.cli import main
 
-sys.exit(main())
+def main() -> int:
+    from specmesh.runtime.huge_pages import reexec_with_huge_pages
+
+    reexec_with_huge_pages("drafter")
+    from drafter.cli import main as cli_main
+
+    return cli_main()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -82,6 +82,8 @@ from specmesh.ops.flags import DefaultsRawDescriptionHelpFormatter
 from specmesh.runtime import onednn
 from specmesh.runtime.catalog import DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL
 from specmesh.runtime.engine import ENGINES
+from specmesh.runtime.huge_pages import (reexec_on_huge_pages_if_possible, started_with_huge_pages, thp_mode,
+                                        workers_start_on_huge_pages)
 
 
 def thread_counts(text: str) -> list[int]:
@@ -151,6 +153,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="interleaved: every prompt runs every mode back to back, specmesh and baselines taking "
                         "turns (the baselines' models are loaded beside the workers; falls back to phased when memory "
                         "is short); phased: all specmesh modes, then the workers stop and each baseline runs in turn")
+    parser.add_argument("--baseline-huge-pages", action="store_true",
+                        help="run this process on transparent huge pages too (it restarts itself with "
+                        "glibc.malloc.hugetlb=1, as the workers do by default), so that the in-process baselines "
+                        "(ik-target, llama-target, hf-*) hold their weights on the same pages as the workers")
     parser.add_argument("--baseline-cpus", default=None,
                         help="pin the in-process HF and llama.cpp baselines to these CPUs, e.g. 1 or 0,1 (default: "
                         "no pinning; the split topology pins them to the verifier's core)")
@@ -359,7 +365,9 @@ def measure(args: argparse.Namespace, modes, prompts: list[dict], classes: list[
     system_info = ((info.get("llamacpp") or {}).get("system_info") or llamacpp_system_info()
                    if uses_llamacpp else None)
     report = {
-        "info": {**info, "cpu": cpu_features(system_info)},
+        "info": {**info, "cpu": cpu_features(system_info),
+                 "huge_pages": {"thp_mode": thp_mode(), "workers": workers_start_on_huge_pages(),
+                                "baselines": started_with_huge_pages()}},
         "config": {"max_new_tokens": args.max_new_tokens, "modes": [m.name for m in modes], "classes": classes,
                    "repeats": args.repeats, "ngram_min": args.ngram_min, "ngram_max": args.ngram_max,
                    "threads": args.threads, "linear_backend": args.linear_backend, "order": order,
@@ -393,6 +401,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(prog).parse_args(argv)
     args.argv, args.prog = argv, prog or "coordinator bench"  # recorded in the JSON report ("run")
+    if args.baseline_huge_pages and not reexec_on_huge_pages_if_possible():
+        print("bench: note: --baseline-huge-pages: this machine gives huge pages no way in (the kernel's THP mode is "
+              f"{thp_mode() or 'absent'}, or no glibc with glibc.malloc.hugetlb)", file=sys.stderr)
     return run(args)
 
 

@@ -143,6 +143,12 @@ def header_notes(report: dict) -> list[str]:
         if cpu.get("llamacpp_cpu_features") is not None:
             text += f"; llama.cpp build {' '.join(cpu['llamacpp_cpu_features']) or '(none of these)'}"
         lines.append(text + (f"; threads {config['threads']}" if config.get("threads") else "") + ".")
+    pages = info.get("huge_pages")
+    if pages:
+        on = {True: "on", False: "off"}
+        lines.append(f"- Huge pages (glibc.malloc.hugetlb=1): workers {on[pages['workers']]}, in-process baselines "
+                     f"{on[pages['baselines']]}; THP mode {pages.get('thp_mode') or 'absent'} "
+                     "([engines.md](engines.md#huge-pages)).")
     for role, memory in (info.get("memory") or {}).items():
         if memory.get("weights_bytes"):
             lines.append(f"- {role} memory after the run: {memory['resident_bytes'] / 2**30:.2f} GiB resident, weights "

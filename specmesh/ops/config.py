@@ -21,13 +21,15 @@ def env_name(action: argparse.Action) -> str:
 
 def _convert(action: argparse.Action, raw, source: str):
     try:
-        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction,
+                               argparse.BooleanOptionalAction)):
             if isinstance(raw, bool):
                 return raw
             text = str(raw).strip().lower()
             if text not in _TRUE | _FALSE:
                 raise ValueError(f"expected true or false, got {raw!r}")
-            return (text in _TRUE) == isinstance(action, argparse._StoreTrueAction)
+            # A store_true or store_false flag's variable says whether the flag is given; --x/--no-x's, the value of x.
+            return (text in _TRUE) != isinstance(action, argparse._StoreFalseAction)
         if isinstance(action, argparse._AppendAction):
             items = raw if isinstance(raw, list) else [s for s in str(raw).split(",") if s]
             return [action.type(i) if action.type else str(i) for i in items]

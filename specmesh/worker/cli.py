@@ -24,6 +24,7 @@ from specmesh.ops.metrics import serve_metrics
 from specmesh.ops.preflight import check_port, check_tls_files, with_fix
 from specmesh.runtime import model_thread
 from specmesh.runtime.engine import ENGINES
+from specmesh.runtime.huge_pages import add_huge_pages_argument, huge_page_bytes
 from specmesh.runtime.model_spec import check_model
 from specmesh.wire.printable import printable
 from specmesh.wire.security import TlsFiles, exposure_warning, load_token
@@ -57,6 +58,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser, default_model: str) -> 
                         help="CPU linear layers: onednn runs them with oneDNN's inner product, which makes a pass over a "
                         "few tokens (verifying k drafts, batched sessions) far cheaper than torch's default kernels; "
                         "auto = onednn on CPU where it supports the dtype")
+    add_huge_pages_argument(parser)
     parser.add_argument("--threads", type=int, default=None,
                         help="CPU threads of the model (default: torch's choice; llama.cpp: the usable cores)")
     parser.add_argument("--max-sessions", type=int, default=64, help="KV-cache sessions kept, LRU-evicted")
@@ -189,6 +191,9 @@ def serve_main(command: RoleCommand, argv: list[str] | None = None) -> int:
         logging.getLogger(role).error("could not load model %r: %s", args.model, e)
         server.stop(grace=0)
         return 1
+    on_huge_pages = huge_page_bytes()
+    if on_huge_pages:  # the weights, where the worker started on huge pages (specmesh/runtime/huge_pages.py)
+        logging.getLogger(role).info("%.0f MiB on transparent huge pages", on_huge_pages / 2**20)
     print(f"READY {server.address}", flush=True)
     # Until the server has stopped (in-flight calls drained), this thread runs the engines' forward passes.
     model_thread.serve_on_main_thread(server.terminated)

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from collections.abc import Iterator
 
+import pytest
+
 from coordinator import cli as coordinator_cli
 from specmesh.ops.flags import DefaultsHelpFormatter
 from drafter import cli as drafter_cli
@@ -95,3 +97,24 @@ def test_help_shows_the_defaults_that_the_environment_sets():
     assert "tokens to generate at most (default: 7)" in run("coordinator", "generate",
                                                             env={"SPECMESH_MAX_NEW_TOKENS": "7"})
     assert "port to bind; 0 picks a free one (default: 6000)" in run("drafter", "serve", env={"SPECMESH_PORT": "6000"})
+
+
+
+@pytest.mark.parametrize("config, variable, expected", [
+    (None, "0", False),
+    (None, "yes", True),
+    ({"verifier": {"prefix-cache": False}}, None, False),
+    ({"verifier": {"prefix-cache": False}}, "1", True),  # the environment over the config file
+])
+def test_an_on_off_flag_reads_its_variable_and_config_value_as_the_setting(monkeypatch, config, variable, expected):
+    """--prefix-cache/--no-prefix-cache (BooleanOptionalAction) from SPECMESH_PREFIX_CACHE=0 or a config file's false
+    is off: a string like "0" must not pass through as a (true) value."""
+    from specmesh.ops import config as flag_config
+
+    monkeypatch.delenv("SPECMESH_PREFIX_CACHE", raising=False)
+    if variable is not None:
+        monkeypatch.setenv("SPECMESH_PREFIX_CACHE", variable)
+    parser, serve = build_worker_parser(verifier_cli.COMMAND)
+    flag_config.apply(serve, "verifier", config)
+    assert parser.parse_args(["serve"]).prefix_cache is expected
+    assert parser.parse_args(["serve", "--prefix-cache"]).prefix_cache is True  # the command line wins

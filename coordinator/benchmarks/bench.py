@@ -82,8 +82,8 @@ from specmesh.ops.flags import DefaultsRawDescriptionHelpFormatter
 from specmesh.runtime import onednn
 from specmesh.runtime.catalog import DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL
 from specmesh.runtime.engine import ENGINES
-from specmesh.runtime.huge_pages import (reexec_on_huge_pages_if_possible, started_with_huge_pages, thp_mode,
-                                        workers_start_on_huge_pages)
+from specmesh.runtime.huge_pages import (on_huge_pages, reexec_on_huge_pages_if_possible, started_with_huge_pages,
+                                        thp_mode, workers_on_huge_pages)
 
 
 def thread_counts(text: str) -> list[int]:
@@ -366,8 +366,8 @@ def measure(args: argparse.Namespace, modes, prompts: list[dict], classes: list[
                    if uses_llamacpp else None)
     report = {
         "info": {**info, "cpu": cpu_features(system_info),
-                 "huge_pages": {"thp_mode": thp_mode(), "workers": workers_start_on_huge_pages(),
-                                "baselines": started_with_huge_pages()}},
+                 "huge_pages": {"thp_mode": thp_mode(), "workers": workers_on_huge_pages(),
+                                "baselines": on_huge_pages(started_with_huge_pages())}},
         "config": {"max_new_tokens": args.max_new_tokens, "modes": [m.name for m in modes], "classes": classes,
                    "repeats": args.repeats, "ngram_min": args.ngram_min, "ngram_max": args.ngram_max,
                    "threads": args.threads, "linear_backend": args.linear_backend, "order": order,
@@ -402,8 +402,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     args = build_parser(prog).parse_args(argv)
     args.argv, args.prog = argv, prog or "coordinator bench"  # recorded in the JSON report ("run")
     if args.baseline_huge_pages and not reexec_on_huge_pages_if_possible():
-        print("bench: note: --baseline-huge-pages: this machine gives huge pages no way in (the kernel's THP mode is "
-              f"{thp_mode() or 'absent'}, or no glibc with glibc.malloc.hugetlb)", file=sys.stderr)
+        print("bench: note: --baseline-huge-pages: the baselines stay on 4 KiB pages (the kernel's THP mode is "
+              f"{thp_mode() or 'absent'}, or there is no glibc with glibc.malloc.hugetlb, or GLIBC_TUNABLES sets it "
+              "to 0)", file=sys.stderr)
     return run(args)
 
 

@@ -4,7 +4,7 @@
 Why: decoding streams every weight once a token. On 4 KiB pages that is about 300,000 pages a token for the 1.5B
 target (its 1.2 GB of weights), and the TLB misses show in the matrix kernels. Measured on a 2-core AMD EPYC VM
 (docs/engines.md#huge-pages): ik's one-token decode ran 10-14% faster on huge pages; the ik worker's decode rate went
-from 0.90-0.93x to 0.96x of ik's own loop with both on huge pages, and to 1.02x of the loop as a C API user runs it.
+from 0.88-0.93x to 0.96x of ik's own loop with both on huge pages, and to 1.02x of the loop as a C API user runs it.
 The llama.cpp engine maps its weights from the file (page cache, 4 KiB pages): there only its other allocations get
 them.
 
@@ -90,12 +90,23 @@ def add_huge_pages_argument(parser: argparse.ArgumentParser) -> None:
                         "(docs/engines.md); only where the kernel's THP mode is madvise")
 
 
+def tunable_helps() -> bool:
+    """Whether glibc's tunable changes what pages this process gets: Linux with THP in madvise mode and a glibc that
+    has it (with `always` every allocation gets huge pages already, with `never` none can)."""
+    version = glibc_version()
+    return sys.platform == "linux" and thp_mode() == "madvise" and version is not None and version >= MIN_GLIBC
+
+
+def on_huge_pages(with_tunable: bool) -> bool:
+    """Whether a process's large allocations get huge pages: always under THP `always`, with the tunable under
+    `madvise`."""
+    mode = thp_mode()
+    return mode == "always" or (mode == "madvise" and with_tunable)
+
+
 def environment_for_huge_pages(role: str, argv: list[str], environ: dict[str, str]) -> dict[str, str] | None:
     """The environment to re-execute the worker with, or None where that would change nothing."""
-    if sys.platform != "linux" or thp_mode() != "madvise":
-        return None
-    version = glibc_version()
-    if version is None or version < MIN_GLIBC:
+    if not tunable_helps():
         return None
     tunables = tunables_with_huge_pages(environ.get("GLIBC_TUNABLES"))
     if tunables is None or not huge_pages_requested(role, argv):
@@ -113,22 +124,22 @@ def reexec_with_huge_pages(role: str) -> None:
 
 
 def reexec_on_huge_pages_if_possible() -> bool:
-    """The same for any command (`coordinator bench --baseline-huge-pages`): re-execute on the tunable where it
-    would change something; False where it cannot (no THP in madvise mode, no glibc with the tunable)."""
-    if started_with_huge_pages():
+    """The same for any command (`coordinator bench --baseline-huge-pages`): True where this process is on huge pages
+    already, else re-execute on the tunable where that helps; False where it cannot (THP `never` or absent, no glibc
+    with the tunable, or the user's own hugetlb=0)."""
+    if on_huge_pages(started_with_huge_pages()):
         return True
-    version = glibc_version()
     tunables = tunables_with_huge_pages(os.environ.get("GLIBC_TUNABLES"))  # None: the user set hugetlb=0
-    if (sys.platform != "linux" or thp_mode() != "madvise" or version is None or version < MIN_GLIBC
-            or tunables is None):
+    if not tunable_helps() or tunables is None:
         return False
     _reexec({**os.environ, "GLIBC_TUNABLES": tunables})
     return True  # not reached: the process is replaced
 
 
-def workers_start_on_huge_pages(role: str = "verifier") -> bool:
-    """Whether a worker this process starts (which inherits its environment) runs on huge pages."""
-    return started_with_huge_pages() or environment_for_huge_pages(role, ["serve"], dict(os.environ)) is not None
+def workers_on_huge_pages(role: str = "verifier") -> bool:
+    """Whether a worker this process starts (it inherits this environment) gets huge pages."""
+    return on_huge_pages(started_with_huge_pages()
+                         or environment_for_huge_pages(role, ["serve"], dict(os.environ)) is not None)
 
 
 def _reexec(environment: dict[str, str]) -> None:

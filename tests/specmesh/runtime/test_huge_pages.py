@@ -78,18 +78,23 @@ def test_a_process_reads_whether_it_started_on_huge_pages():
     assert not huge_pages.started_with_huge_pages({})
 
 
-@pytest.mark.parametrize("tunables, restarts", [(None, True), ("glibc.malloc.hugetlb=0", False)])
-def test_the_bench_restarts_on_huge_pages_unless_the_user_turned_them_off(monkeypatch, tunables, restarts):
-    """`coordinator bench --baseline-huge-pages`: a user's own hugetlb=0 stands (no restart, and so no loop)."""
+@pytest.mark.parametrize("mode, tunables, on, restarts", [
+    ("madvise", None, True, True),
+    ("madvise", "glibc.malloc.hugetlb=0", False, False),  # the user's own value stands: no restart, so no loop
+    ("always", None, True, False),  # on huge pages already
+    ("never", None, False, False),
+])
+def test_the_bench_restarts_on_huge_pages_where_that_helps(monkeypatch, mode, tunables, on, restarts):
+    """`coordinator bench --baseline-huge-pages`."""
     started = []
-    monkeypatch.setattr(huge_pages, "thp_mode", lambda: "madvise")
+    monkeypatch.setattr(huge_pages, "thp_mode", lambda: mode)
     monkeypatch.setattr(huge_pages, "glibc_version", lambda: (2, 36))
     monkeypatch.setattr(huge_pages, "_reexec", started.append)
     if tunables is None:
         monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
     else:
         monkeypatch.setenv("GLIBC_TUNABLES", tunables)
-    assert huge_pages.reexec_on_huge_pages_if_possible() is restarts
+    assert huge_pages.reexec_on_huge_pages_if_possible() is on
     assert [e["GLIBC_TUNABLES"] for e in started] == (["glibc.malloc.hugetlb=1"] if restarts else [])
 
 def test_this_machines_glibc_version_is_read():

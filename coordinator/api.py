@@ -279,15 +279,14 @@ class Coordinator:
             if time.monotonic() >= deadline:
                 return False
             time.sleep(COST_WAIT_POLL_S)
-            self._costs_read_at = -math.inf  # read them now, not COST_REFRESH_S after the last read
-            self._refresh_costs()
+            self._refresh_costs(min_interval_s=0.0)  # now, not COST_REFRESH_S after the last read
         return True
 
-    def _refresh_costs(self) -> None:
+    def _refresh_costs(self, min_interval_s: float = COST_REFRESH_S) -> None:
         """Before a generation: read the Info of the workers again while they measure their costs, at most every
-        COST_REFRESH_S (a call of a few milliseconds), so that later generations start from the cost prior. A
+        min_interval_s (a call of a few milliseconds), so that later generations start from the cost prior. A
         worker that does not answer in time keeps what it reported."""
-        if not self.costs_pending() or time.monotonic() - self._costs_read_at < COST_REFRESH_S:
+        if not self.costs_pending() or time.monotonic() - self._costs_read_at < min_interval_s:
             return
         if not self._costs_lock.acquire(blocking=False):
             return  # another generation is reading them

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import sys
 import threading
@@ -22,6 +21,7 @@ from specmesh.ops.flags import DefaultsHelpFormatter, add_client_security_flags,
 from specmesh.ops.preflight import with_fix
 from specmesh.runtime.catalog import DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL
 from specmesh.runtime.engine import ENGINES
+from specmesh.runtime.gguf_cache import COST_CACHING_ENGINES, cost_cache_on
 from specmesh.wire.printable import printable
 
 
@@ -346,8 +346,8 @@ def measure_costs_for_later_runs(coordinator) -> None:
     the cost policy would never draft. Not for engines that keep no cache (transformers), nor with
     SPECMESH_COST_CACHE=0: their next start measures again whatever this one does. Ctrl-C skips it."""
     engines = [info.engine for info in (coordinator.verifier_info, coordinator.drafter_info) if info is not None]
-    if not coordinator.costs_pending() or os.environ.get("SPECMESH_COST_CACHE", "1") == "0" \
-            or any(engine not in ("ik", "llamacpp") for engine in engines if engine):
+    if not coordinator.costs_pending() or not cost_cache_on() \
+            or any(engine not in COST_CACHING_ENGINES for engine in engines if engine):
         return
     print(f"coordinator: the workers measure their costs for later runs' draft policy (once; cached for 6 h; at most "
           f"{COSTS_FOR_LATER_RUNS_S:.0f} s; Ctrl-C skips it)", file=sys.stderr, flush=True)

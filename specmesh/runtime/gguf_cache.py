@@ -5,9 +5,20 @@ them (specmesh/runtime/models.py, which converts, re-exports these)."""
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
 from specmesh.runtime import catalog
+
+# The engines whose workers cache their measured costs, keyed by their GGUF file (specmesh/worker/cost_probe.py); a
+# coordinator reads this to know whether a run's measurement outlives its workers (coordinator/cli.py).
+COST_CACHING_ENGINES = frozenset({"ik", "llamacpp"})
+
+
+def cost_cache_on() -> bool:
+    """Whether measured costs are cached at all: not with SPECMESH_COST_CACHE=0."""
+    return os.environ.get("SPECMESH_COST_CACHE", "1") != "0"
+
 
 # Written into a conversion's directory before its atomic rename: its presence means the directory is complete.
 CONVERTED_MARKER = "specmesh_converted.json"

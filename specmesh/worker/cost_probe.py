@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from specmesh.runtime import model_thread
+from specmesh.runtime.gguf_cache import COST_CACHING_ENGINES, cost_cache_on
 from specmesh.worker.machine_load import OthersCpu, probe_turn
 
 log = logging.getLogger(__name__)
@@ -91,7 +92,7 @@ def cost_cache_key(role: str, engine) -> dict | None:
     import platform
 
     path = getattr(engine, "path", None)
-    if os.environ.get("SPECMESH_COST_CACHE", "1") == "0" or path is None or engine.engine not in ("ik", "llamacpp"):
+    if not cost_cache_on() or path is None or engine.engine not in COST_CACHING_ENGINES:
         return None
     try:
         stat = os.stat(path)

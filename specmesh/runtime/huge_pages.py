@@ -27,6 +27,8 @@ import argparse
 import os
 import sys
 
+from specmesh.ops import config as flag_config
+
 TUNABLE = "glibc.malloc.hugetlb"
 THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
 MIN_GLIBC = (2, 35)  # the first glibc with glibc.malloc.hugetlb
@@ -72,8 +74,6 @@ def started_with_huge_pages(environ: dict[str, str] | None = None) -> bool:
 def huge_pages_requested(role: str, argv: list[str]) -> bool:
     """--huge-pages / --no-huge-pages as the worker's full parser will read it: the command line over
     SPECMESH_HUGE_PAGES over the --config file (specmesh/ops/config.py), on by default."""
-    from specmesh.ops import config as flag_config
-
     parser = argparse.ArgumentParser(add_help=False)
     add_huge_pages_argument(parser)
     try:

@@ -5,7 +5,7 @@ the tokenizer, never the worker server (specmesh/worker/) or a model engine. Its
   The loop and the draft policy
     api.py              the Python API: Coordinator, GenerationOptions, GenerationResult (re-exported here, lazily)
     loop.py             the speculative decoding loop, flat and gRPC-free
-    draft_length.py     how many tokens to draft next round (heuristic and cost policies)
+    drafting/           the drafting decision: cost model, estimators, policies, per-source learning, hybrid
     translation.py      drafting across tokenizers, through text
     text_stream.py      incremental detokenisation and stop strings
     record.py           --record: one JSON line per generation

@@ -5,7 +5,7 @@
         result = c.generate("Write a haiku about gRPC", GenerationOptions(max_new_tokens=64))
         print(result.text, result.stats)
 
-With `suffix_drafter=` as well (a `drafter serve --method suffix`), drafting is hybrid (coordinator/hybrid_draft.py):
+With `suffix_drafter=` as well (a `drafter serve --method suffix`), drafting is hybrid (coordinator/drafting/hybrid.py):
 the suffix drafter's draft where its match is long enough, the draft model's elsewhere where that pays.
 """
 
@@ -22,9 +22,11 @@ from dataclasses import dataclass, field, replace
 import grpc
 
 from coordinator.cancel import CancelToken, GenerationCancelled
-from coordinator.draft_length import DEFAULT_POLICY, POLICIES, PRIOR_ACCEPTANCE, CostEstimate
+from coordinator.drafting.policies import DEFAULT_POLICY, POLICIES
+from coordinator.drafting.costs import PRIOR_ACCEPTANCE, CostEstimate
 from coordinator.fleet import WorkerPool
-from coordinator.hybrid_draft import HybridDraftSource
+from coordinator.drafting.hybrid import MODEL, SUFFIX, HybridDraftSource
+from coordinator.drafting.learned import SourceLearning
 from coordinator.loop import DraftLength, LoopConfig, LoopResult, speculative_decode
 from coordinator.record import Recorder
 from coordinator.stream_flush import DEFAULT_STREAM_FLUSH_S, check_stream_flush_s
@@ -42,8 +44,6 @@ from specmesh.wire.security import ClientSecurity, load_token
 from specmesh.wire.validation import MAX_SEED
 
 
-# How long a measured drafting slowdown stands for later generations: the machine's load changes.
-LEARNED_TTL_S = 600.0
 # A worker whose costs were not cached measures them after it reports SERVING (specmesh/worker/cost_probe.py): while
 # one that runs a model reports none, its Info is read again before a generation, at most this often.
 COST_REFRESH_S = 5.0
@@ -72,7 +72,7 @@ class GenerationFailed(RuntimeError):
 class GenerationOptions:
     max_new_tokens: int = 256
     draft_tokens: int | None = None  # None: adaptive draft length; 0: target-only decoding
-    draft_policy: str = DEFAULT_POLICY  # adaptive k: "heuristic" (HF's +2/-1) or "cost" (coordinator/draft_length.py)
+    draft_policy: str = DEFAULT_POLICY  # adaptive k: "heuristic" (HF's +2/-1) or "cost" (coordinator/drafting/)
     pipeline: bool = False  # draft the next round while the target verifies this one (coordinator/loop.py)
     temperature: float = 0.0
     top_p: float = 1.0
@@ -110,7 +110,7 @@ class GenerationResult:
     prompt_tokens: int
     finish_reason: str  # "eos", "length", "stop", "error" or "cancelled"
     stats: dict = field(default_factory=dict)
-    rounds: list = field(default_factory=list)  # coordinator.draft_length.RoundRecord per round
+    rounds: list = field(default_factory=list)  # coordinator.drafting.RoundRecord per round
 
 
 def drafting_note(loop: LoopResult, degraded_rounds: int = 0) -> str | None:
@@ -224,10 +224,11 @@ class Coordinator:
         self._model_round_trip_s = dict(self.round_trip_s)  # the draft model's, where the suffix drafter's replace it
         if self.suffix_drafters is not None:
             self.round_trip_s["drafter"] = round_trip_s(self.suffix_drafters)
-        # (slowdown, when measured): how much slower than the workers' costs a recent greedy generation's drafted
-        # rounds ran. The next greedy generations start from it, so a slowdown that rules drafting out costs the
-        # probes of one generation, not of every one.
-        self.learned_slowdown: tuple[float, float] | None = None
+        # Per draft source, how much slower than the workers' costs a recent greedy generation's drafted rounds ran,
+        # fading with the generations since (coordinator/drafting/learned.py). The next greedy generations start
+        # from it, so a slowdown that rules drafting out costs the probes of one generation, not of every one, and
+        # a source is tried again within a few requests.
+        self.learning = SourceLearning()
         self._costs_read_at = time.monotonic()
         self._costs_lock = threading.Lock()
         self._set_cost_priors()
@@ -250,19 +251,16 @@ class Coordinator:
 
     def _set_cost_priors(self) -> None:
         """The cost policy's prior from the workers' Info: `cost_prior`, and for hybrid drafting the draft model's
-        own (`model_costs`, `model_draft_off`). Hybrid drafting works with the suffix drafter's costs (its drafts
+        own (`model_costs`). Hybrid drafting works with the suffix drafter's costs (its drafts
         come first); the draft model joins only where its own costs say some draft length can pay even with every
         draft accepted. Without the workers' costs there is no prior: the cost policy times its own rounds."""
-        model_costs = cost_prior(self.verifier_info, self.drafter_info, self._model_round_trip_s)
-        model_draft_off, prior = None, model_costs
+        model_costs = prior = cost_prior(self.verifier_info, self.drafter_info, self._model_round_trip_s)
         if self.suffix_drafters is not None:
-            if model_costs is not None:
-                model_draft_off = model_costs.drafting_off(DraftLength.maximum)
-                if model_draft_off is not None:
-                    log.info("hybrid drafting, cost policy: without the draft model (%s; %s)", model_draft_off,
-                             model_draft_off.details())
+            model_off = model_costs.drafting_off(DraftLength.maximum) if model_costs is not None else None
+            if model_off is not None:
+                log.info("hybrid drafting, cost policy: without the draft model (%s; %s)", model_off, model_off.details())
             prior = cost_prior(self.verifier_info, self.suffix_drafter_info, self.round_trip_s)
-        self.model_costs, self.model_draft_off, self.cost_prior = model_costs, model_draft_off, prior
+        self.model_costs, self.cost_prior = model_costs, prior
 
     def costs_pending(self) -> bool:
         """Whether a worker that runs a model reports no costs yet (it is measuring them)."""
@@ -380,8 +378,11 @@ class Coordinator:
         self._refresh_costs()
         seed = options.seed if options.seed is not None else (random.getrandbits(63) if options.temperature else 0)
         use_drafter = (self.drafters is not None or self.suffix_drafters is not None) and options.draft_tokens != 0
+        # What earlier generations measured of each draft source, faded by the generations since (greedy only: a
+        # seeded sampled generation repeats exactly only where k never depends on timing).
+        learned = self.learning.start_generation() if use_drafter and options.sampling.is_greedy else {}
         config = LoopConfig(max_new_tokens=self.token_budget(len(prompt_ids), options.max_new_tokens),
-                            eos_token_ids=self.eos_token_ids, draft_length=self.draft_length(options),
+                            eos_token_ids=self.eos_token_ids, draft_length=self.draft_length(options, learned),
                             pipeline=options.pipeline,
                             max_propose_tokens=self.propose_limit if use_drafter else None,
                             stream_flush_s=0.0 if options.stop else options.stream_flush_s)
@@ -390,7 +391,8 @@ class Coordinator:
         faults = FaultStats()
         target = FailoverTargetSession(self.verifiers, session_id, prompt_ids, options.sampling, seed,
                                        self.resilience, faults, cancel)
-        drafter = self._draft_source(session_id, prompt_ids, options, seed, faults, cancel) if use_drafter else None
+        drafter = (self._draft_source(session_id, prompt_ids, options, seed, faults, cancel, learned)
+                   if use_drafter else None)
         stream = TextStream(self.tokenizer, options.stop, on_text)
         loop = LoopResult()
         started = time.perf_counter()
@@ -412,7 +414,7 @@ class Coordinator:
             target.end()
             if drafter is not None:
                 drafter.end()
-        self._learn_slowdown(config.draft_length, loop)
+        self._learn(config.draft_length, loop, drafter)
         text = stream.finish()
         stats = summarize(loop, time.perf_counter() - started, seed, faults, self.engines)
         if isinstance(drafter, HybridDraftSource):  # which drafter drafted how many rounds
@@ -423,36 +425,42 @@ class Coordinator:
         return result
 
     def _draft_source(self, session_id: str, prompt_ids: list[int], options: GenerationOptions, seed: int,
-                      faults: FaultStats, cancel: CancelToken | None):
+                      faults: FaultStats, cancel: CancelToken | None, learned: dict[str, float] | None = None):
         """The drafter session in target tokens: the remote session itself, or that session (in drafter tokens)
         behind the translation through text; opened on the first round that drafts (LazyDraftSource), so that a
         generation that never drafts sends the drafter nothing. With a suffix drafter, the hybrid of it and (where
-        that pays) the model drafter's session."""
+        that pays, by its costs and what earlier generations learned of its slowdown: `learned`) the model
+        drafter's session."""
         def opener(pool: WorkerPool) -> Callable[[list[int]], DegradingDraftSession]:
             return lambda prompt: DegradingDraftSession(pool, session_id, prompt, options.sampling, seed,
                                                         self.resilience, faults, cancel)
         model = None
-        # The cost policy leaves out a draft model that cannot pay; a fixed k or the heuristic asked for drafts.
-        model_off = self.model_draft_off is not None and options.draft_tokens is None and options.draft_policy == "cost"
+        # Under the cost policy the draft model drafts the k its own costs find best (its drafts priced at the
+        # slowdown earlier generations measured), and is left out where no k can pay; a fixed k or the heuristic ask
+        # it for the round's k.
+        costs = self.model_costs if options.draft_tokens is None and options.draft_policy == "cost" else None
+        if costs is not None and (learned or {}).get(MODEL) is not None:
+            costs = replace(costs, draft_s_per_token=costs.draft_s_per_token * learned[MODEL],
+                            draft_round_trip_s=costs.draft_round_trip_s * learned[MODEL])
+        model_off = costs is not None and costs.drafting_off(DraftLength.maximum) is not None
         if self.drafters is not None and (self.suffix_drafters is None or not model_off):
             open_session = opener(self.drafters)
             model = LazyDraftSource(prompt_ids, open_session if self.translator is None else (
                 lambda history: TranslatingDraftSource(self.translator, history, open_session)))
         if self.suffix_drafters is None:
             return model
-        # Under the cost policy the draft model drafts the k its own costs find best; a fixed k or the heuristic
-        # ask it for the round's k.
-        costs = self.model_costs if options.draft_tokens is None and options.draft_policy == "cost" else None
-        return HybridDraftSource(LazyDraftSource(prompt_ids, opener(self.suffix_drafters)), model, model_costs=costs)
+        return HybridDraftSource(LazyDraftSource(prompt_ids, opener(self.suffix_drafters)), model, model_costs=costs,
+                                 timed=options.sampling.is_greedy)
 
     def check(self, prompt_tokens: int, options: GenerationOptions) -> None:
         """Raise ValueError if a request cannot run within the workers' limits (what generate would refuse)."""
         self.draft_length(options)
         self.token_budget(prompt_tokens, options.max_new_tokens)
 
-    def draft_length(self, options: GenerationOptions) -> DraftLength:
+    def draft_length(self, options: GenerationOptions, learned: dict[str, float] | None = None) -> DraftLength:
         """The draft length policy within the workers' limits; an explicit k above them is refused up front (the
-        drafter would refuse every call and the generation would silently run without drafts)."""
+        drafter would refuse every call and the generation would silently run without drafts). `learned`: the
+        drafting slowdown earlier generations measured, by source (SourceLearning.start_generation)."""
         k = options.draft_tokens
         if k is not None and k > self.draft_limit and (self.drafters is not None or self.suffix_drafters is not None):
             raise ValueError(f"draft_tokens {k} exceeds what the workers accept: max_draft_tokens "
@@ -463,17 +471,22 @@ class Coordinator:
         # Pipelining asks the drafter for one token more than the round drafts (the bet's bonus-token guess).
         maximum = max(1, min(DraftLength.maximum, self.draft_limit - (1 if options.pipeline else 0)))
         prior, timed = self.cost_prior, options.sampling.is_greedy
-        learned = self.learned_slowdown
-        if prior is not None and timed and learned is not None and time.monotonic() - learned[1] < LEARNED_TTL_S:
-            prior = replace(prior, drafting_slowdown=learned[0])
+        # The prior's costs are the suffix drafter's where drafting is hybrid (the draft model gates itself).
+        source = SUFFIX if self.suffix_drafters is not None else ""
+        slowdown = (learned or {}).get(source)
+        if prior is not None and timed and slowdown is not None:
+            prior = replace(prior, drafting_slowdown=slowdown)
         return DraftLength(initial=min(DraftLength.initial, maximum), maximum=maximum, policy=options.draft_policy,
                            prior=prior, pipelined=options.pipeline, timed=timed,
-                           costs_pending=prior is None and self.costs_pending())
+                           costs_pending=prior is None and self.costs_pending(), source=source)
 
-    def _learn_slowdown(self, length: DraftLength, loop: LoopResult) -> None:
+    def _learn(self, length: DraftLength, loop: LoopResult, drafter) -> None:
+        """Keep what this generation measured of each draft source for the next ones (SourceLearning)."""
         slowdown = length.measured_slowdown(loop.rounds)
         if slowdown is not None:
-            self.learned_slowdown = (slowdown, time.monotonic())
+            self.learning.record(length.source, slowdown)
+        if isinstance(drafter, HybridDraftSource) and (model := drafter.model_slowdown()) is not None:
+            self.learning.record(MODEL, model)
 
     def token_budget(self, prompt_tokens: int, max_new_tokens: int) -> int:
         """max_new_tokens, cut to what the verifier's context holds after the prompt (finish reason "length")."""

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from types import ModuleType
 
-from coordinator.draft_length import DEFAULT_POLICY, POLICIES
+from coordinator.drafting.policies import DEFAULT_POLICY, POLICIES
 from coordinator.stream_flush import DEFAULT_STREAM_FLUSH_S, check_stream_flush_s
 from specmesh.runtime import catalog
 from specmesh.ops import config as flag_config
@@ -41,8 +41,10 @@ def add_fleet_arguments(p: argparse.ArgumentParser) -> None:
                    help="suffix drafter HOST:PORT (`drafter serve --method suffix`, the target's model); may be "
                    "repeated. Drafting becomes hybrid: the suffix draft where its match is long enough, the draft "
                    "model's elsewhere where that pays")
-    p.add_argument("--suffix", action="store_true",
-                   help="start a local suffix drafter (the target's tokenizer, no weights) and draft hybrid")
+    p.add_argument("--suffix", action=argparse.BooleanOptionalAction, default=None,
+                   help="start a local suffix drafter (the target's tokenizer, no weights) beside the drafter and "
+                   "draft hybrid; --no-suffix drafts with the drafter alone (default: on where the verifier is "
+                   "started locally; with --verifier addresses, give --suffix-drafter or --suffix)")
     p.add_argument("--draft-model", default=DEFAULT_DRAFT_MODEL,
                    help="model for a locally started drafter")
     p.add_argument("--target-model", default=DEFAULT_TARGET_MODEL,
@@ -147,8 +149,11 @@ def print_summary(result) -> None:
     # acceptance rate over a handful of drafts and a mean accepted length near 1 (coordinator/api.py, drafting_note).
     drafting = s.get("draft_note") or (f"acceptance rate {rate}; mean accepted length "
                                        f"{s['mean_accepted_length']:.2f} tokens/round")
+    # Hybrid drafting: which source drafted how many rounds.
+    sources = (f"; drafted by the suffix drafter in {s['suffix_rounds']} rounds, the draft model in "
+               f"{s['model_rounds']}" if "suffix_rounds" in s else "")
     print(f"\n[{result.finish_reason}] {s['new_tokens']} new tokens in {s['elapsed_s']:.2f} s "
-          f"({s['tokens_per_s']:.2f} tokens/s); {drafting}; {s['rounds']} rounds{faults}"
+          f"({s['tokens_per_s']:.2f} tokens/s); {drafting}{sources}; {s['rounds']} rounds{faults}"
           f"; engine {_engines(s)}"
           + (f"; draft tokenizer {s['draft_tokenizer']}" if s.get("draft_tokenizer") else ""),
           file=sys.stderr)
@@ -194,6 +199,9 @@ def connected(args: argparse.Namespace, progress: bool, while_loading: Callable[
         specs.append(LocalWorkerSpec("verifier", args.target_model, args.device, args.dtype, engine=args.engine))
     if need_drafter and args.drafter is None:
         specs.append(LocalWorkerSpec("drafter", args.draft_model, args.device, args.dtype, engine=args.engine))
+    if need_drafter and local_suffix_drafter(args):  # model-free: reads the target's tokenizer only
+        specs.append(LocalWorkerSpec("drafter", args.target_model, "cpu", "auto", extra_args=("--method", "suffix"),
+                                     name=SUFFIX_DRAFTER))
     from specmesh.ops.metrics import serve_metrics
     metrics_port = serve_metrics(args.metrics_port, args.metrics_host)
     if metrics_port is not None:
@@ -213,11 +221,7 @@ def connected(args: argparse.Namespace, progress: bool, while_loading: Callable[
             addresses = {}
             prepare()
         from coordinator.api import Coordinator  # torch and transformers: seconds, spent while the workers load
-        suffix_drafter = args.suffix_drafter
-        if need_drafter and args.suffix and not suffix_drafter:  # model-free: reads the target's tokenizer only
-            suffix_spec = LocalWorkerSpec("drafter", args.target_model, "cpu", "auto",
-                                          extra_args=("--method", "suffix"))
-            suffix_drafter = [stack.enter_context(local_workers([suffix_spec], progress=progress))["drafter"]]
+        suffix_drafter = args.suffix_drafter or ([addresses[SUFFIX_DRAFTER]] if SUFFIX_DRAFTER in addresses else None)
         yield stack.enter_context(Coordinator(
             verifier=args.verifier or [addresses["verifier"]],
             drafter=(args.drafter or [addresses["drafter"]]) if need_drafter else None,
@@ -225,6 +229,18 @@ def connected(args: argparse.Namespace, progress: bool, while_loading: Callable[
             tokenizer=tokenizer.result() if tokenizer is not None else None,
             resilience=resilience_from(args), security=security_from(args), record=args.record,
             connect_timeout_s=args.connect_timeout, unreachable_timeout_s=args.unreachable_timeout))
+
+
+SUFFIX_DRAFTER = "suffix-drafter"  # the local suffix drafter's name among the local workers
+
+
+def local_suffix_drafter(args: argparse.Namespace) -> bool:
+    """Whether to start a local suffix drafter (hybrid drafting): --suffix, or by default where the verifier is
+    started locally too (the suffix drafter must read the verifier's tokenizer: a remote verifier's model may not be
+    --target-model), unless --no-suffix or --suffix-drafter addresses are given."""
+    if args.suffix_drafter:
+        return False
+    return args.suffix if args.suffix is not None else args.verifier is None
 
 
 class TokenizerPreload:

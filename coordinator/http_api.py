@@ -34,7 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from coordinator.admission import RETRY_AFTER_S, Admission, AdmissionConfig, Refused
 from coordinator.api import Coordinator, GenerationFailed, GenerationOptions, GenerationResult
 from coordinator.cancel import CancelToken, GenerationCancelled
-from coordinator.draft_length import DEFAULT_POLICY
+from coordinator.drafting.policies import DEFAULT_POLICY
 from coordinator.stream_flush import DEFAULT_STREAM_FLUSH_S
 from specmesh.wire.printable import printable
 

@@ -40,6 +40,11 @@ class LocalWorkerSpec:
     port: int = 0  # 0: a free port chosen by the worker
     engine: str = "auto"  # transformers | llamacpp | auto (llama.cpp for GGUF models on CPU)
     extra_args: tuple[str, ...] = ()
+    name: str = ""  # its key among the addresses local_workers yields, and its log's name (default: the role)
+
+    @property
+    def key(self) -> str:
+        return self.name or self.role
 
 
 class LocalWorker:
@@ -47,7 +52,7 @@ class LocalWorker:
 
     def __init__(self, spec: LocalWorkerSpec, log_dir: str) -> None:
         self.spec = spec
-        self.log_path = os.path.join(log_dir, f"{spec.role}.log")
+        self.log_path = os.path.join(log_dir, f"{spec.key}.log")
         self._log = open(self.log_path, "ab")
         command = [sys.executable, "-m", spec.role, "serve", "--model", spec.model, "--host", "127.0.0.1",
                    "--port", str(spec.port), "--device", spec.device, "--dtype", spec.dtype, "--engine", spec.engine,
@@ -87,7 +92,7 @@ class LocalWorker:
         wait_until(lambda: self._found or self.process.poll() is not None, timeout_s)
         if not self._found:
             self.stop()
-            raise WorkerError(f"{self.spec.role} did not start; its log:\n{self.log_tail()}")
+            raise WorkerError(f"{self.spec.key} did not start; its log:\n{self.log_tail()}")
         return self._found[0]
 
     def log_tail(self, lines: int = 20) -> str:
@@ -121,7 +126,7 @@ class LocalWorker:
         """Wait until the worker reports SERVING; WorkerError at once if the process exits first."""
         def still_running() -> None:
             if self.process.poll() is not None:
-                raise WorkerError(f"{self.spec.role} exited with status {self.process.returncode} before it was ready")
+                raise WorkerError(f"{self.spec.key} exited with status {self.process.returncode} before it was ready")
             if on_wait is not None:
                 on_wait()
 
@@ -184,7 +189,7 @@ def local_workers(specs: list[LocalWorkerSpec], progress: bool = True, load_time
         for worker in to_wait:
             def show(worker=worker) -> None:
                 if spinner:
-                    print(f"\rloading {worker.spec.role} {worker.spec.model} ... {time.monotonic() - started:.0f}s",
+                    print(f"\rloading {worker.spec.key} {worker.spec.model} ... {time.monotonic() - started:.0f}s",
                           end="", file=sys.stderr, flush=True)
             try:
                 worker.wait_serving(load_timeout_s, on_wait=show)
@@ -193,10 +198,10 @@ def local_workers(specs: list[LocalWorkerSpec], progress: bool = True, load_time
             except WorkerError as e:
                 raise WorkerError(f"{e}; its log:\n{worker.log_tail()}") from None
             if progress:  # on a terminal it overwrites the spinner's line (the blanks cover its longer text)
-                ready = f"{worker.spec.role} {worker.spec.model} ready on {worker.address} " \
+                ready = f"{worker.spec.key} {worker.spec.model} ready on {worker.address} " \
                         f"({time.monotonic() - started:.0f}s)"
                 print(f"\r{ready}   " if spinner else ready, file=sys.stderr, flush=True)
         # Run first on the way out (callbacks run last in, first out): every worker is told to stop before each
         # worker's stop waits for it.
         stack.callback(lambda: [worker.begin_stop() for worker in workers])
-        yield {w.spec.role: w.address for w in workers}
+        yield {w.spec.key: w.address for w in workers}

@@ -28,10 +28,12 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from coordinator.draft_length import DraftLength, RoundRecord
+from coordinator.drafting.length import DraftLength
+
+from coordinator.drafting.rounds import RoundRecord
 from coordinator.stream_flush import check_stream_flush_s
 from specmesh.decoding.acceptance import Verdict
 from specmesh.decoding.sampling import SparseDist
@@ -43,6 +45,14 @@ log = logging.getLogger("specmesh.coordinator")
 class Draft:
     tokens: tuple[int, ...] = ()
     dists: tuple[SparseDist, ...] = ()  # the distributions the tokens were drawn from; empty when greedy
+    source: str = ""  # which draft source drafted it, where a DraftSource combines several (RoundRecord.source)
+    # No tokens: the source has nothing to draft now and asks again only after this many tokens; the loop decodes
+    # them as one stream where the target streams (0 or 1: the next round asks again).
+    wait_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.wait_tokens < 0 or (self.wait_tokens and self.tokens):
+            raise ValueError(f"wait_tokens must be >= 0, and only on a draft without tokens: {self}")
 
 
 class DraftSource(Protocol):
@@ -140,10 +150,17 @@ def speculative_decode(drafter: DraftSource | None, target: TargetSession, confi
 
             started = time.perf_counter()
             if ready is not None and ready.tokens and k_round > 0:
-                draft = Draft(ready.tokens[:k_round], ready.dists[:k_round])  # no wait for the drafter this round
+                # No wait for the drafter this round.
+                draft = replace(ready, tokens=ready.tokens[:k_round], dists=ready.dists[:k_round])
             else:
                 draft = drafter.propose(k_round) if (drafter is not None and k_round > 0) else Draft()
             ready = None
+            if streams and draft.wait_tokens > 1:
+                # The drafter has nothing to draft for a while (hybrid drafting: no suffix match, the draft model
+                # not paying): decode that stretch as one stream. k stays: the policy did not stop drafting.
+                if _decode_streamed(target, config, min(draft.wait_tokens, remaining), on_tokens, result, drafter):
+                    return result
+                continue
             drafted_at = time.perf_counter()
             # Pipelining: bet that every draft is accepted and draft the round after it meanwhile: the k the policy
             # would choose after a full acceptance, plus 1 token first (the bet's guess of the target's own token).
@@ -170,14 +187,15 @@ def speculative_decode(drafter: DraftSource | None, target: TargetSession, confi
             result.rounds.append(RoundRecord(len(draft.tokens), verdict.accepted,
                                              (drafted_at - started) + (waited_at - verified_at),
                                              verified_at - drafted_at,
-                                             bet_won=None if ahead is None else ready is not None))
+                                             bet_won=None if ahead is None else ready is not None,
+                                             source=draft.source))
             if drafter is not None:
                 drafter.update(new_tokens)
 
             if _commit(new_tokens, config, on_tokens, result):
                 return result
 
-            # Adaptive draft length: decided from the rounds so far (coordinator/draft_length.py).
+            # Adaptive draft length: decided from the rounds so far (coordinator/drafting/).
             k = config.draft_length.next(k, result.rounds) if drafter is not None else 0
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.draft_length import DraftLength
+from coordinator.drafting.length import DraftLength
 from coordinator.loop import LoopConfig, speculative_decode
 from drafter.engine import DraftEngine
 from specmesh.decoding.sampling import SamplingParams
@@ -102,7 +102,7 @@ def test_a_second_turn_resumes_from_the_prefix_cache_and_hybrid_drafts_stay_exac
     turn 1's prompt reused) and, drafted hybrid (a suffix drafter first, the draft model elsewhere), gives exactly the
     tokens a target without any cache or drafts gives; the suffix drafter, having seen turn 1's answer, drafts the
     part of turn 2's answer that repeats it."""
-    from coordinator.hybrid_draft import HybridDraftSource
+    from coordinator.drafting.hybrid import HybridDraftSource
     from drafter.ngram import ngram_description
     from drafter.suffix import SuffixEngine
     from specmesh.runtime.ik_engine import IkLlamaEngine

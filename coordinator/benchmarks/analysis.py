@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 
 from coordinator.benchmarks.modes import BASELINE, ENGINE_BASELINES, HF_BASELINE, Mode
-from coordinator.draft_length import expected_tokens_per_round
+from coordinator.drafting.costs import expected_tokens_per_round
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:

@@ -27,7 +27,7 @@ class Mode:
     #                             hf: "model", "ngram" or None;
     #                             llamacpp: None (llama-target) or "ngram" (llama-lookup)
     k: int | None = None  # specmesh: draft length, None = adaptive
-    policy: str = "heuristic"  # specmesh adaptive k: coordinator/draft_length.py
+    policy: str = "heuristic"  # specmesh adaptive k: coordinator/drafting/policies.py
     pipeline: bool = False  # specmesh: draft the next round during this round's verify
 
 

@@ -47,7 +47,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from coordinator.draft_length import DEFAULT_POLICY, POLICIES
+from coordinator.drafting.policies import DEFAULT_POLICY, POLICIES
 from coordinator.polling import wait_until
 from specmesh.ops.flags import DefaultsHelpFormatter
 from specmesh.runtime.catalog import DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL

@@ -35,6 +35,19 @@ def test_generate_starts_local_workers_and_matches_target(expected):
     assert out["status"] == "ok"
     assert out["token_ids"] == expected
     assert out["stats"]["rounds"] < 24 or out["stats"]["acceptance_rate"] is not None
+    # By default a local suffix drafter runs beside the model drafter: drafting is hybrid, and the stats say which
+    # source drafted how many rounds.
+    assert out["stats"]["suffix_drafter"] is True
+    assert out["stats"]["suffix_rounds"] + out["stats"]["model_rounds"] > 0
+
+
+def test_no_suffix_drafts_with_the_model_drafter_alone(expected):
+    run = coordinator("generate", "--prompt", "hello world", "--max-new-tokens", "24", "--json", "--no-suffix",
+                      "--draft-policy", "heuristic", *TINY)
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout)
+    assert out["token_ids"] == expected
+    assert "suffix_drafter" not in out["stats"] and "suffix_rounds" not in out["stats"]
 
 
 def test_original_short_flags_are_aliases_and_prefixes_are_not_accepted(expected):
@@ -51,6 +64,7 @@ def test_generate_streams_text_and_prints_summary(expected):
     run = coordinator("generate", "--prompt", "hello world", "--max-new-tokens", "24", "--draft-tokens", "3", *TINY)
     assert run.returncode == 0, run.stderr
     assert "tokens/s" in run.stderr and "acceptance rate" in run.stderr and "rounds" in run.stderr
+    assert "drafted by the suffix drafter in" in run.stderr
     assert run.stdout  # the generated text, streamed
 
 

@@ -1,4 +1,4 @@
-"""Hybrid drafting (coordinator/hybrid_draft.py): the suffix draft where its match is long enough, the model's draft
+"""Hybrid drafting (coordinator/drafting/hybrid.py): the suffix draft where its match is long enough, the model's draft
 elsewhere; both drafters learn every committed token. Then a real fleet on the tiny float64 target: a verifier, a model
 drafter and a suffix drafter, whose hybrid output equals the target's own greedy decoding, with the suffix drafter
 drafting a repeated request and the model drafter the rest."""
@@ -10,11 +10,15 @@ from dataclasses import replace
 import pytest
 
 from coordinator import Coordinator, GenerationOptions
-from coordinator.hybrid_draft import HybridDraftSource
+from coordinator.drafting.hybrid import HybridDraftSource
 from coordinator.loop import Draft, LoopConfig, speculative_decode
-from coordinator.draft_length import DraftLength
+from coordinator.drafting.length import DraftLength
 from tests.chaos.conftest import running_fleet
+from tests.coordinator.drafting.test_decision import DRAFTING_PAYS
 from tests.helpers import reference_greedy
+
+# A draft model at 0.3 target steps per token and a flat verify: drafting pays at the prior acceptance, not at 4x c.
+MODEL_COSTS = replace(DRAFTING_PAYS, draft_s_per_token=0.3)
 
 
 class Scripted:
@@ -52,10 +56,10 @@ def test_the_suffix_draft_wins_when_its_match_is_long_enough():
 
 
 def test_the_model_drafts_the_k_its_costs_find_best_at_its_measured_acceptance():
-    from tests.coordinator.test_drafting_decision import DRAFTING_PAYS
+    from tests.coordinator.drafting.test_decision import DRAFTING_PAYS
     costly = replace(DRAFTING_PAYS, draft_s_per_token=0.3)  # a model draft costs 0.3 target steps per token
     suffix, model = Scripted([()] * 20), Scripted([(7, 8, 9, 10, 11, 12)] * 20)
-    hybrid = HybridDraftSource(suffix, model, model_costs=costly)
+    hybrid = HybridDraftSource(suffix, model, model_costs=costly, timed=False)  # k by acceptance alone
     first = hybrid.propose(6)
     assert 0 < len(first.tokens) == hybrid.model_k(6) <= 6 and model.asked == [hybrid.model_k(6)]
     for _ in range(6):  # the target keeps none of the model's drafts: its k falls to 0, then it is not asked
@@ -151,19 +155,106 @@ def test_the_cost_policy_drafts_hybrid_without_a_draft_model_that_cannot_pay():
     """Where the draft model's costs rule it out even with every draft accepted, the cost policy's hybrid is the suffix
     drafter alone (no model session is ever opened); a fixed k or the heuristic keep the model as asked."""
     from coordinator.api import Coordinator
-    from tests.coordinator.test_drafting_decision import NOTHING_PAYS
+    from tests.coordinator.drafting.test_decision import NOTHING_PAYS
 
     coordinator = Coordinator.__new__(Coordinator)  # the decision only: no workers
     coordinator.drafters, coordinator.suffix_drafters, coordinator.translator = object(), object(), None
-    coordinator.model_draft_off = NOTHING_PAYS.drafting_off(DraftLength.maximum)
     coordinator.model_costs = NOTHING_PAYS
-    assert coordinator.model_draft_off is not None
 
-    def source(**options):
-        return coordinator._draft_source("s", [1, 2, 3], GenerationOptions(**options), 0, None, None)
+    def source(learned=None, **options):
+        return coordinator._draft_source("s", [1, 2, 3], GenerationOptions(**options), 0, None, None, learned)
     assert source(draft_policy="cost").model is None
     assert source(draft_policy="heuristic").model is not None
     assert source(draft_policy="cost", draft_tokens=3).model is not None
     assert source(draft_policy="cost", draft_tokens=3).model_costs is None, "a fixed k is the model's k too"
-    coordinator.model_draft_off = None
-    assert source(draft_policy="cost").model is not None and source(draft_policy="cost").model_costs is NOTHING_PAYS
+    coordinator.model_costs = MODEL_COSTS
+    assert source(draft_policy="cost").model is not None and source(draft_policy="cost").model_costs is MODEL_COSTS
+    # What earlier generations learned of the model's slowdown prices its drafts: slow enough, it is left out.
+    assert source({"model": 4.0}, draft_policy="cost").model is None
+    slowed = source({"model": 1.2}, draft_policy="cost").model_costs
+    assert slowed.draft_s_per_token == pytest.approx(1.2 * MODEL_COSTS.draft_s_per_token)
+    assert source({"suffix": 4.0}, draft_policy="cost").model_costs is MODEL_COSTS, "another source's slowdown"
+
+
+class Clock:
+    """A clock the scripted model advances: each propose takes `seconds`."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_the_model_gates_itself_by_the_slowdown_its_own_rounds_measured():
+    """The model's drafts taking 4x what its costs price them (catching up, shared cores) rule it out within the
+    generation; the suffix drafter's drafts are not affected, and the slowdown is what the coordinator learns."""
+    clock = Clock()
+
+    class SlowModel(Scripted):
+        def propose(self, k, after=()):
+            clock.now += 4.0 * (MODEL_COSTS.draft_round_trip_s + k * MODEL_COSTS.draft_s_per_token)
+            return super().propose(k, after)
+    suffix, model = Scripted([()] * 3 + [(5, 6, 7)]), SlowModel([(7, 8, 9, 10)] * 20)
+    hybrid = HybridDraftSource(suffix, model, model_costs=MODEL_COSTS, clock=clock)
+    for _ in range(3):  # the model drafts; all of its drafts accepted
+        draft = hybrid.propose(4)
+        assert draft.source == "model" and draft.tokens
+        hybrid.update([*draft.tokens, 1])
+    assert hybrid.model_slowdown() == pytest.approx(4.0)
+    assert hybrid.model_k(4) == 0, "priced 4x, no draft length pays"
+    assert hybrid.propose(4).source == "suffix", "the suffix drafter's draft is free whatever the model measured"
+    assert HybridDraftSource(suffix, model, model_costs=MODEL_COSTS, timed=False, clock=clock).model_k(4) > 0
+
+
+def test_with_nothing_to_draft_the_loop_streams_and_asks_again_later():
+    """Neither drafter has a draft: the hybrid asks for a stretch without drafts, doubling while the suffix drafter
+    keeps finding nothing (up to MAX_WAIT_TOKENS), back to every round once it finds a match; the loop decodes each
+    stretch as one stream, and the output is the target's."""
+    from coordinator.drafting.hybrid import MAX_WAIT_TOKENS
+    hybrid = HybridDraftSource(Scripted([()] * 6 + [(3, 4)]), None)
+    waits = [hybrid.propose(4).wait_tokens for _ in range(6)]
+    assert waits == [1, 2, 4, 8, 16, 16] and MAX_WAIT_TOKENS == 16
+    assert hybrid.propose(4).tokens == (3, 4)
+    assert hybrid.propose(4).wait_tokens == 1, "a match resets the wait"
+
+
+class CountingTarget:
+    """A target whose next token is always (last + 1) % 50, streaming or not: what each call decoded."""
+
+    def __init__(self, prompt):
+        self.history = list(prompt)
+        self.verifies, self.streams = 0, []
+
+    def verify(self, draft):
+        from specmesh.decoding.acceptance import Verdict
+        self.verifies += 1
+        accepted = 0
+        for token in draft.tokens:
+            if token != (self.history[-1] + 1) % 50:
+                break
+            self.history.append(token)
+            accepted += 1
+        nxt = (self.history[-1] + 1) % 50
+        self.history.append(nxt)
+        return Verdict(accepted, nxt)
+
+    def decode(self, max_tokens, stop_token_ids, flush_interval_s=0.0):
+        self.streams.append(max_tokens)
+        for _ in range(max_tokens):
+            nxt = (self.history[-1] + 1) % 50
+            self.history.append(nxt)
+            yield [nxt]
+
+
+def test_the_loop_streams_the_stretches_the_hybrid_waits_and_syncs_the_suffix_drafter_at_the_end():
+    target = CountingTarget([1])
+    suffix = Scripted([()] * 40)
+    hybrid = HybridDraftSource(suffix, None)
+    result = speculative_decode(hybrid, target, LoopConfig(max_new_tokens=40, draft_length=DraftLength.fixed(4)))
+    assert result.tokens == [(2 + i) % 50 for i in range(40)]
+    assert target.streams[:4] == [2, 4, 8, 16], "stretches of 1 are plain rounds, then 2, 4, 8, 16 tokens"
+    assert suffix.committed == result.tokens
+    asked = len(suffix.asked)
+    hybrid.end()
+    assert len(suffix.asked) == asked + 1 and suffix.ended, "one last call brings the suffix drafter up to the output"

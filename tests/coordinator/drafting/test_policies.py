@@ -11,10 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coordinator.api import cost_prior, round_trip_s
-from coordinator.draft_length import (MIN_AT_RISK, MIN_DRAFTED_ROUNDS, POLICIES, PRIOR_ACCEPTANCE, PROBE_EVERY,
-                                      PROBE_RARELY, CostEstimate, DraftLength, RoundRecord, drafting_pays,
-                                      estimate_costs, measured_bet_hit, measured_bet_slowdown, measured_survival,
-                                      measured_tail_acceptance)
+from coordinator.drafting.estimators import (MIN_AT_RISK, MIN_DRAFTED_ROUNDS, estimate_costs, measured_bet_hit,
+                                             measured_bet_slowdown, measured_survival, measured_tail_acceptance)
+from coordinator.drafting.policies import POLICIES, PROBE_EVERY, PROBE_RARELY, drafting_pays
+from coordinator.drafting.costs import PRIOR_ACCEPTANCE, CostEstimate
+from coordinator.drafting.length import DraftLength
+from coordinator.drafting.rounds import RoundRecord
 
 
 def rounds_from(pattern: list[tuple[int, int]], draft_s_per_token: float, verify_base: float,
@@ -437,7 +439,7 @@ def test_the_cost_policy_keeps_up_with_the_heuristic_on_bursty_text_and_beats_it
 def test_a_fully_accepted_round_keeps_drafting_only_where_a_run_can_pay():
     """After a full acceptance the policy keeps drafting where the run acceptance (0.9 until rounds after full
     acceptances measured it) pays for the drafts, not merely because the round was full."""
-    from coordinator.draft_length import run_acceptance
+    from coordinator.drafting.estimators import run_acceptance
     history = [RoundRecord(0, 0, 0.0, 1.0), RoundRecord(2, 0, 0.2, 1.2), RoundRecord(2, 2, 0.2, 1.2)]
     assert run_acceptance(history) == pytest.approx(0.9)
     cheap = CostEstimate(0.5, 0.05, 1.0, 0.05)
@@ -453,7 +455,8 @@ def test_a_fully_accepted_round_keeps_drafting_only_where_a_run_can_pay():
 
 
 def test_each_failed_probe_doubles_the_wait_for_the_next():
-    from coordinator.draft_length import PROBE_MAX_GAP, failed_probes
+    from coordinator.drafting.policies import PROBE_MAX_GAP
+    from coordinator.drafting.estimators import failed_probes
     zero, probe = RoundRecord(0, 0, 0.0, 1.0), RoundRecord(1, 0, 0.1, 1.1)
     assert failed_probes([zero, zero, zero]) == 0
     assert failed_probes([zero, RoundRecord(4, 4, 0.1, 1.1), RoundRecord(4, 1, 0.1, 1.1), zero]) == 0, \
@@ -474,7 +477,7 @@ def test_each_failed_probe_doubles_the_wait_for_the_next():
 
 def test_drafting_is_off_where_even_plausible_acceptance_cannot_pay():
     """Pays a little at full acceptance, loses at 90%: off, and the reason says both."""
-    from coordinator.draft_length import PLAUSIBLE_ACCEPTANCE
+    from coordinator.drafting.costs import PLAUSIBLE_ACCEPTANCE
     marginal = CostEstimate(PRIOR_ACCEPTANCE, 0.5, 1.0, 0.42)  # k = 4: 5 / 4.68 with every draft accepted
     assert marginal.could_pay(16) and not marginal.could_pay(16, PLAUSIBLE_ACCEPTANCE)
     length = DraftLength(policy="cost", prior=marginal)

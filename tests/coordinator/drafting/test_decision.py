@@ -14,8 +14,9 @@ import pytest
 
 from coordinator.api import summarize
 from coordinator.cli import print_summary
-from coordinator.draft_length import (PLAUSIBLE_ACCEPTANCE, PRIOR_ACCEPTANCE, PROBE_EVERY, PROBE_MAX_GAP, CostEstimate,
-                                     DraftLength)
+from coordinator.drafting.costs import PLAUSIBLE_ACCEPTANCE, PRIOR_ACCEPTANCE, CostEstimate
+from coordinator.drafting.policies import PROBE_EVERY, PROBE_MAX_GAP
+from coordinator.drafting.length import DraftLength
 from coordinator.fleet import WorkerPool
 from coordinator.loop import LoopConfig, LoopResult, speculative_decode
 from coordinator.polling import wait_until
@@ -41,7 +42,8 @@ DRAFTING_PAYS = CostEstimate(PRIOR_ACCEPTANCE, 0.02, 1.0, 0.02, verify_curve=((0
 def test_with_the_workers_costs_a_policy_that_cannot_pay_never_probes():
     """The workers' costs hold for the whole generation: where they rule drafting out, no probe either (without them,
     round timings could change, and a rare probe still looks)."""
-    from coordinator.draft_length import PROBE_RARELY, RoundRecord
+    from coordinator.drafting.policies import PROBE_RARELY
+    from coordinator.drafting.rounds import RoundRecord
     never = DraftLength(policy="cost", prior=NOTHING_PAYS)
     off = never.drafting_off()
     assert off is not None and never.first() == 0 and off.best_k == 1
@@ -226,7 +228,7 @@ def test_the_summary_says_drafting_is_off_and_why(fleets, capsys):
 
 
 def test_the_summary_says_how_little_was_drafted_and_over_how_many_drafts(capsys):
-    from coordinator.draft_length import RoundRecord
+    from coordinator.drafting.rounds import RoundRecord
     rounds = [RoundRecord(4, 0, 0.1, 1.0), *[RoundRecord(0, 0, 0.0, 1.0)] * 7, RoundRecord(1, 1, 0.0, 1.0),
               *[RoundRecord(0, 0, 0.0, 1.0)] * 7]
     loop = LoopResult(tokens=[1] * 17, rounds=rounds, draft_decision="adaptive k (cost policy)", draft_policy="cost")
@@ -292,7 +294,8 @@ def test_greedy_rounds_that_run_slower_than_the_workers_costs_say_turn_drafting_
     prices them at (drafter and verifier sharing cores), its rounds without drafts what it says. A greedy generation
     corrects the prior by that and stops drafting; a sampled one (timed=False) keeps the prior: its k must not
     depend on timing."""
-    from coordinator.draft_length import RoundRecord, measured_drafting_slowdown
+    from coordinator.drafting.rounds import RoundRecord
+    from coordinator.drafting.estimators import measured_drafting_slowdown
     prior = CostEstimate(PRIOR_ACCEPTANCE, 0.4, 1.0, 0.0, verify_curve=((0, 1.0), (1, 1.25), (4, 2.2), (16, 7.0)))
     length = DraftLength(policy="cost", prior=prior)
     assert prior.could_pay(16, 0.8) and not replace(prior, drafting_slowdown=1.5).could_pay(16, 0.8)
@@ -307,22 +310,104 @@ def test_greedy_rounds_that_run_slower_than_the_workers_costs_say_turn_drafting_
     assert replace(length, timed=False).next(3, rounds) > 0
 
 
-def test_a_measured_slowdown_carries_to_the_next_greedy_generations_only():
+def test_a_measured_slowdown_carries_to_the_next_greedy_generations_and_fades_with_requests():
     """What one greedy generation measured (drafted rounds 1.5x slower than the workers' costs) starts the next:
-    with it drafting is off from the first round, so the probes are paid once. Sampled generations keep the prior."""
+    with it drafting is off from the first round, so the probes are paid once. It fades with every generation that
+    does not measure it again, so that a few requests later drafting is tried again (the probe), and it is
+    forgotten after FORGET_AFTER_REQUESTS. Sampled generations keep the prior."""
     from coordinator.api import Coordinator, GenerationOptions
-    from coordinator.draft_length import RoundRecord
+    from coordinator.drafting.learned import FORGET_AFTER_REQUESTS, SourceLearning
+    from coordinator.drafting.rounds import RoundRecord
     prior = CostEstimate(PRIOR_ACCEPTANCE, 0.4, 1.0, 0.0, verify_curve=((0, 1.0), (1, 1.25), (4, 2.2), (16, 7.0)),
                          target_streams=True)
     rounds = [RoundRecord(0, 0, 0.0, 5.0), *[RoundRecord(0, 0, 0.0, 1.0)] * 4,
               *[RoundRecord(k, a, 1.5 * k * 0.4, 1.5 * prior.verify_s(k)) for k, a in [(2, 1), (3, 3)] * 4]]
-    coordinator = SimpleNamespace(cost_prior=prior, learned_slowdown=None, draft_limit=16, propose_limit=16,
+    coordinator = SimpleNamespace(cost_prior=prior, learning=SourceLearning(), draft_limit=16, propose_limit=16,
                                   drafters=object(), suffix_drafters=None)
     greedy, sampled = GenerationOptions(), GenerationOptions(temperature=0.8)
-    first = Coordinator.draft_length(coordinator, greedy)
+    first = Coordinator.draft_length(coordinator, greedy, coordinator.learning.start_generation())
     assert first.drafting_off() is None and first.timed
-    Coordinator._learn_slowdown(coordinator, first, LoopResult(rounds=rounds))
-    assert coordinator.learned_slowdown[0] == pytest.approx(1.5)
-    off = Coordinator.draft_length(coordinator, greedy).drafting_off()
+    Coordinator._learn(coordinator, first, LoopResult(rounds=rounds), None)
+    assert coordinator.learning.get("").slowdown == pytest.approx(1.5)
+    off = Coordinator.draft_length(coordinator, greedy, coordinator.learning.start_generation()).drafting_off()
     assert off is not None and "1.50x slower than the workers' costs" in str(off)
-    assert Coordinator.draft_length(coordinator, sampled).drafting_off() is None
+    assert Coordinator.draft_length(coordinator, sampled, {}).drafting_off() is None
+    # Generations that drafted nothing (drafting off) measured nothing: the slowdown fades until drafting is on
+    # again, well before it is forgotten.
+    decisions = [Coordinator.draft_length(coordinator, greedy, coordinator.learning.start_generation()).drafting_off()
+                 for _ in range(FORGET_AFTER_REQUESTS)]
+    assert decisions[-1] is None and decisions.index(None) <= 2, decisions
+    assert coordinator.learning.start_generation() == {}, "forgotten after FORGET_AFTER_REQUESTS generations"
+
+
+# The real pair on ik, 2 shared cores (issue 38's log): a suffix drafter's drafts cost nothing, the draft model's
+# 0.45 target steps a token, and the verify curve flat to a few drafts, then steeper.
+IK_CURVE = ((0, 1.0), (1, 1.15), (2, 1.2), (4, 1.3), (9, 2.1), (16, 3.6))
+SUFFIX_PRIOR = CostEstimate(PRIOR_ACCEPTANCE, 0.0, 1.0, 0.0, verify_curve=IK_CURVE, target_streams=True)
+MODEL_PRIOR = CostEstimate(PRIOR_ACCEPTANCE, 0.45, 1.0, 0.0, verify_curve=IK_CURVE, target_streams=True)
+
+
+def test_a_slow_draft_model_never_locks_the_suffix_drafter_out():
+    """Issue 38's lock-out: one generation whose model-drafted rounds ran 3.28x slower than the workers' costs made
+    every later request decode target-only for ten minutes, the free suffix drafts included. Scripted here: the
+    first generation's model rounds take 3.28x their price (and the round records say so); then a run of repeating
+    requests. Every one of them must be able to draft from the suffix drafter (c < 0.1), and the draft model, ruled
+    out by what it measured, must be tried again within a few requests."""
+    from coordinator.api import Coordinator, GenerationOptions
+    from coordinator.drafting.hybrid import HybridDraftSource
+    from coordinator.drafting.learned import SourceLearning
+    from coordinator.drafting.rounds import RoundRecord
+    from coordinator.loop import Draft
+
+    coordinator = SimpleNamespace(cost_prior=SUFFIX_PRIOR, model_costs=MODEL_PRIOR, learning=SourceLearning(),
+                                  draft_limit=16, propose_limit=16, drafters=object(), suffix_drafters=object(),
+                                  translator=None)
+    greedy = GenerationOptions()
+
+    def start():
+        learned = coordinator.learning.start_generation()
+        length = Coordinator.draft_length(coordinator, greedy, learned)
+        hybrid = Coordinator._draft_source(coordinator, "s", [1, 2, 3], greedy, 0, None, None, learned)
+        return length, hybrid
+
+    length, _ = start()
+    assert length.drafting_off() is None and length.source == "suffix"
+    # The first generation: nothing to match yet, so the draft model drafts, each Propose 3.28x its price.
+    now = [0.0]
+
+    class SlowModel:
+        def propose(self, k, after=()):
+            now[0] += 3.28 * k * MODEL_PRIOR.draft_s_per_token
+            return Draft((7,) * k)
+
+        def update(self, committed):
+            pass
+
+    class NoMatch:
+        def propose(self, k, after=()):
+            return Draft()
+
+        def update(self, committed):
+            pass
+    hybrid = HybridDraftSource(NoMatch(), SlowModel(), model_costs=MODEL_PRIOR, clock=lambda: now[0])
+    rounds = [RoundRecord(0, 0, 0.0, 5.0)]
+    for _ in range(6):
+        draft = hybrid.propose(4)
+        if draft.tokens:
+            hybrid.update([*draft.tokens[:2], 9])
+            rounds.append(RoundRecord(len(draft.tokens), 2, 3.28 * len(draft.tokens) * 0.45,
+                                      MODEL_PRIOR.verify_s(len(draft.tokens)), source="model"))
+    rounds += [RoundRecord(0, 0, 0.0, 1.0)] * 4
+    assert hybrid.model_slowdown() == pytest.approx(3.28)
+    Coordinator._learn(coordinator, length, LoopResult(rounds=rounds), hybrid)
+    assert coordinator.learning.get("model").slowdown == pytest.approx(3.28)
+    assert coordinator.learning.get("suffix") is None, "the model's rounds say nothing of the suffix drafter's costs"
+    # The repeating requests: drafting is never off, so the suffix drafter drafts in every one of them.
+    models = []
+    for _ in range(8):
+        length, hybrid = start()
+        assert length.drafting_off() is None
+        assert length.first() > 0 or length.next(0, [RoundRecord(0, 0, 0.0, 1.0)]) > 0
+        models.append(hybrid.model is not None)
+    assert not models[0], "the model, measured 3.28x slower, sits the next request out"
+    assert any(models[:4]), f"... and is tried again within a few requests: {models}"

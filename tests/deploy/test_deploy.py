@@ -47,6 +47,7 @@ NAMESPACE = "specmesh"
 OLDEST_K8S = "1.30"
 NON_ROOT_UID = 10001
 WORKER_PORTS = {"drafter": 50051, "verifier": 50052}
+SUFFIX_DRAFTER_PORT = 50053
 
 
 # ---------------------------------------------------------------------------------------------------------- loading
@@ -155,7 +156,8 @@ def test_command_lines_use_real_cli_flags(where, argv, monkeypatch):
     if getattr(args, "command", None) == "serve" and argv[0] in WORKER_PORTS:
         assert args.model in catalog.CATALOG, f"{where}: --model {args.model!r} is not a catalog model"
         assert args.host == "0.0.0.0", f"{where}: a containerised worker must bind 0.0.0.0, not {args.host}"
-        assert args.port == WORKER_PORTS[argv[0]], f"{where}: {argv[0]} port {args.port}"
+        port = SUFFIX_DRAFTER_PORT if getattr(args, "method", None) == "suffix" else WORKER_PORTS[argv[0]]
+        assert args.port == port, f"{where}: {argv[0]} port {args.port}"
     if getattr(args, "models_command", None) == "pull":
         assert set(args.name) <= set(catalog.CATALOG), f"{where}: unknown models {args.name}"
 
@@ -206,10 +208,14 @@ def test_compose_fleet():
     services = spec["services"]
     roles = {name: s["command"][0] for name, s in services.items()}
     subcommands = {name: s["command"][1] for name, s in services.items()}
-    drafters = [n for n in services if roles[n] == "drafter"]
+    suffix = [n for n in services if roles[n] == "drafter" and "suffix" in services[n]["command"]]
+    drafters = [n for n in services if roles[n] == "drafter" and n not in suffix]
     verifiers = [n for n in services if roles[n] == "verifier"]
     coordinators = [n for n in services if roles[n] == "coordinator" and subcommands[n] == "serve"]
-    assert len(drafters) == 1 and len(verifiers) == 2 and len(coordinators) == 1, roles
+    assert len(drafters) == 1 and len(suffix) == 1 and len(verifiers) == 2 and len(coordinators) == 1, roles
+    # The suffix drafter reads the target's tokenizer: the verifiers' model.
+    model = services[verifiers[0]]["command"][services[verifiers[0]]["command"].index("--model") + 1]
+    assert services[suffix[0]]["command"][services[suffix[0]]["command"].index("--model") + 1] == model
 
     for name, service in services.items():
         assert "model-cache:/cache" in service["volumes"], f"{name}: shared model cache volume at /cache"
@@ -223,7 +229,7 @@ def test_compose_fleet():
     pulls = [s for s in services.values() if s["command"][:3] == ["coordinator", "models", "pull"]]
     assert len(pulls) == 1
     pulled = set(pulls[0]["command"][3:])
-    for name in drafters + verifiers:
+    for name in drafters + suffix + verifiers:
         command = services[name]["command"]
         assert command[command.index("--model") + 1] in pulled, f"{name}: model not pulled by the models service"
         assert services[name]["depends_on"]["models"]["condition"] == "service_completed_successfully"
@@ -236,10 +242,12 @@ def test_compose_fleet():
     command = coordinator["command"]
     assert "127.0.0.1:8000:8000" in coordinator["ports"]
     assert command[command.index("--port") + 1] == "8000"
-    targets = {(flag, command[i + 1]) for i, flag in enumerate(command) if flag in ("--verifier", "--drafter")}
-    expected = {("--verifier", f"{n}:50052") for n in verifiers} | {("--drafter", f"{n}:50051") for n in drafters}
+    targets = {(flag, command[i + 1]) for i, flag in enumerate(command)
+               if flag in ("--verifier", "--drafter", "--suffix-drafter")}
+    expected = {("--verifier", f"{n}:50052") for n in verifiers} | {("--drafter", f"{n}:50051") for n in drafters} \
+        | {("--suffix-drafter", f"{n}:50053") for n in suffix}
     assert targets == expected, "the coordinator must reach every worker service on its port"
-    for name in drafters + verifiers:
+    for name in drafters + suffix + verifiers:
         assert coordinator["depends_on"][name]["condition"] == "service_healthy"
     compile(coordinator["healthcheck"]["test"][3], "coordinator healthcheck", "exec")
 
@@ -399,8 +407,8 @@ def test_coordinator_deployment():
     args = container["args"]
     assert args[:2] == ["coordinator", "serve"]
     assert container["image"].startswith("specmesh:")
-    # --verifier / --drafter name the headless Services, in this namespace, on the workers' ports.
-    for role, port in WORKER_PORTS.items():
+    # --verifier / --drafter / --suffix-drafter name the headless Services, in this namespace, on the workers' ports.
+    for role, port in {**WORKER_PORTS, "suffix-drafter": SUFFIX_DRAFTER_PORT}.items():
         svc = k8s_object("Service", f"{role}-headless")
         assert worker_arg(container, f"--{role}") == \
             f"dns:///{svc['metadata']['name']}.{NAMESPACE}.svc.cluster.local:{svc['spec']['ports'][0]['port']}"
@@ -415,7 +423,22 @@ def test_coordinator_deployment():
     assert [c["args"] for c in init] == [["coordinator", "models", "pull", DEFAULT_TARGET_MODEL]]
 
 
-@pytest.mark.parametrize("name", ["coordinator", "drafter", "verifier"])
+def test_suffix_drafter_deployment():
+    """Model-free on the CPU image: the target's tokenizer from the cache, one replica (its tree is per process)."""
+    deployment = k8s_object("Deployment", "suffix-drafter")
+    container = main_container(deployment)
+    assert container["image"].startswith("specmesh:") and "nvidia.com/gpu" not in str(container["resources"])
+    assert container["args"][:4] == ["drafter", "serve", "--method", "suffix"]
+    assert worker_arg(container, "--model") == DEFAULT_TARGET_MODEL
+    assert int(worker_arg(container, "--port")) == SUFFIX_DRAFTER_PORT
+    assert deployment["spec"]["replicas"] == 1
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["grpc"] == {"port": SUFFIX_DRAFTER_PORT}, probe
+    init = deployment["spec"]["template"]["spec"]["initContainers"]
+    assert [c["args"] for c in init] == [["coordinator", "models", "pull", DEFAULT_TARGET_MODEL]]
+
+
+@pytest.mark.parametrize("name", ["coordinator", "drafter", "verifier", "suffix-drafter"])
 def test_prometheus_scraping(name):
     deployment = k8s_object("Deployment", name)
     container = main_container(deployment)
@@ -526,7 +549,7 @@ def test_deploy_smoke_plan_follows_the_deploy_files():
             assert stage_of[dep] < stage_of[name], f"{name} starts before its dependency {dep}"
     assert plan.stages[-1] == [plan.coordinator] == ["coordinator"]
     assert [s for s in plan.services.values() if s.one_shot] == [plan.services["models"]]
-    assert sorted(plan.verifiers) == ["verifier-1", "verifier-2"] and plan.drafters == ["drafter"]
+    assert sorted(plan.verifiers) == ["verifier-1", "verifier-2"] and plan.drafters == ["drafter", "suffix-drafter"]
     assert plan.http_url == "http://127.0.0.1:8000" and plan.metrics_url == "http://127.0.0.1:9100/metrics"
     assert set(plan.models) == {DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL}
     assert plan.volume == "specmesh_model-cache"

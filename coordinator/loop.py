@@ -31,7 +31,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from coordinator.drafting.length import DraftLength
+from coordinator.drafting.policies import DraftLength
 
 from coordinator.drafting.rounds import RoundRecord
 from coordinator.stream_flush import check_stream_flush_s

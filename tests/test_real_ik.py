@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.drafting.length import DraftLength
+from coordinator.drafting.policies import DraftLength
 from coordinator.loop import LoopConfig, speculative_decode
 from drafter.engine import DraftEngine
 from specmesh.decoding.sampling import SamplingParams

@@ -10,7 +10,7 @@ from dataclasses import replace
 import grpc
 import pytest
 
-from coordinator.drafting.length import DraftLength
+from coordinator.drafting.policies import DraftLength
 from coordinator.fleet import WorkerPool
 from coordinator.loop import Draft, LoopConfig, speculative_decode
 from coordinator.polling import wait_until

@@ -16,7 +16,7 @@ from coordinator.api import summarize
 from coordinator.cli import print_summary
 from coordinator.drafting.costs import PLAUSIBLE_ACCEPTANCE, PRIOR_ACCEPTANCE, CostEstimate
 from coordinator.drafting.policies import PROBE_EVERY, PROBE_MAX_GAP
-from coordinator.drafting.length import DraftLength
+from coordinator.drafting.policies import DraftLength
 from coordinator.fleet import WorkerPool
 from coordinator.loop import LoopConfig, LoopResult, speculative_decode
 from coordinator.polling import wait_until

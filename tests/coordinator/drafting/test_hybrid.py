@@ -12,7 +12,7 @@ import pytest
 from coordinator import Coordinator, GenerationOptions
 from coordinator.drafting.hybrid import HybridDraftSource
 from coordinator.loop import Draft, LoopConfig, speculative_decode
-from coordinator.drafting.length import DraftLength
+from coordinator.drafting.policies import DraftLength
 from tests.chaos.conftest import running_fleet
 from tests.coordinator.drafting.test_decision import DRAFTING_PAYS
 from tests.helpers import reference_greedy

@@ -15,7 +15,7 @@ from coordinator.drafting.estimators import (MIN_AT_RISK, MIN_DRAFTED_ROUNDS, es
                                              measured_bet_slowdown, measured_survival, measured_tail_acceptance)
 from coordinator.drafting.policies import POLICIES, PROBE_EVERY, PROBE_RARELY, drafting_pays
 from coordinator.drafting.costs import PRIOR_ACCEPTANCE, CostEstimate
-from coordinator.drafting.length import DraftLength
+from coordinator.drafting.policies import DraftLength
 from coordinator.drafting.rounds import RoundRecord
 
 

@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from coordinator.drafting.length import DraftLength
+from coordinator.drafting.policies import DraftLength
 from coordinator.loop import LoopConfig, speculative_decode
 from drafter.engine import DraftEngine
 from specmesh.decoding.sampling import SamplingParams

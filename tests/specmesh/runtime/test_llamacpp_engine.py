@@ -17,7 +17,7 @@ import torch
 
 from coordinator.loop import LoopConfig, speculative_decode
 from coordinator.polling import wait_until
-from coordinator.drafting.length import DraftLength
+from coordinator.drafting.policies import DraftLength
 from drafter.engine import DraftEngine
 from specmesh.runtime.engine import choose_engine
 from specmesh.runtime.llamacpp_engine import LlamaCppEngine, file_type

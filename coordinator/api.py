@@ -49,6 +49,8 @@ from specmesh.wire.validation import MAX_SEED
 COST_REFRESH_S = 5.0
 COST_REFRESH_TIMEOUT_S = 2.0
 COST_WAIT_POLL_S = 0.5  # wait_for_costs: an Info call every half second (the probes wait for a quiet machine)
+# Hybrid drafting: the draft model's session opens on at most this many recent tokens (its first round prefills them).
+HYBRID_MODEL_WINDOW = 256
 
 log = logging.getLogger("specmesh.coordinator")
 
@@ -445,8 +447,11 @@ class Coordinator:
         model_off = costs is not None and costs.drafting_off(DraftLength.maximum) is not None
         if self.drafters is not None and (self.suffix_drafters is None or not model_off):
             open_session = opener(self.drafters)
+            # Hybrid: the draft model drafts where the suffix drafter has no match, from the recent context; a long
+            # conversation's whole prompt would cost its prefill on the drafter (seconds) in the first model round.
             model = LazyDraftSource(prompt_ids, open_session if self.translator is None else (
-                lambda history: TranslatingDraftSource(self.translator, history, open_session)))
+                lambda history: TranslatingDraftSource(self.translator, history, open_session)),
+                window=HYBRID_MODEL_WINDOW if self.suffix_drafters is not None else None)
         if self.suffix_drafters is None:
             return model
         return HybridDraftSource(LazyDraftSource(prompt_ids, opener(self.suffix_drafters)), model, model_costs=costs,

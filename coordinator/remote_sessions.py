@@ -338,14 +338,19 @@ class LazyDraftSource:
     session and sends the drafter nothing. `open_source(history)` opens it (a DegradingDraftSession, or the
     translation in front of one)."""
 
-    def __init__(self, prompt: Sequence[int], open_source: Callable[[list[int]], DraftSource]) -> None:
+    def __init__(self, prompt: Sequence[int], open_source: Callable[[list[int]], DraftSource],
+                 window: int | None = None) -> None:
+        """`window`: open the source on at most this many of the most recent tokens (None: all of them)."""
+        if window is not None and window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
         self.history: list[int] = list(prompt)
-        self._open = open_source
+        self._open, self.window = open_source, window
         self.source: DraftSource | None = None
 
     def propose(self, k: int, after: Sequence[int] = ()) -> Draft:
         if self.source is None:
-            self.source = self._open(self.history)
+            self.source = self._open(self.history[-self.window:] if self.window else self.history)
+            self.history = []
         return self.source.propose(k, after)
 
     def update(self, committed: Sequence[int]) -> None:

@@ -258,3 +258,18 @@ def test_the_loop_streams_the_stretches_the_hybrid_waits_and_syncs_the_suffix_dr
     asked = len(suffix.asked)
     hybrid.end()
     assert len(suffix.asked) == asked + 1 and suffix.ended, "one last call brings the suffix drafter up to the output"
+
+
+def test_the_hybrid_model_session_opens_on_the_recent_window():
+    """A draft model joining a hybrid generation late (or on a long conversation) prefills only the last tokens."""
+    from coordinator.remote_sessions import LazyDraftSource
+    opened = []
+    lazy = LazyDraftSource(list(range(1000)), lambda history: opened.append(history) or Scripted([(1,)]), window=256)
+    lazy.update([5000, 5001])
+    assert lazy.propose(1).tokens == (1,)
+    assert opened == [[*range(746, 1000), 5000, 5001]]
+    whole = LazyDraftSource([1, 2, 3], lambda history: opened.append(history) or Scripted([]))
+    whole.propose(1)
+    assert opened[-1] == [1, 2, 3]
+    with pytest.raises(ValueError, match="window"):
+        LazyDraftSource([1], lambda history: None, window=0)

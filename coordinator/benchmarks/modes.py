@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from specmesh.runtime.engine import ik_available, is_gguf_spec, llamacpp_available
 from specmesh.wire.limits import DEFAULT_MAX_DRAFT_TOKENS
 
-DEFAULT_MODES = ("target-only,adaptive,adaptive-cost,pipelined,4,ngram,hf-assisted,hf-target,ik-target,llama-target,"
+DEFAULT_MODES = ("target-only,hybrid,adaptive,adaptive-cost,pipelined,4,ngram,hf-assisted,hf-target,ik-target,llama-target,"
                  "llama-lookup")
 BASELINE = "target-only"  # every speedup is relative to specmesh target-only
 HF_BASELINE = "hf-target"
@@ -55,7 +55,7 @@ def parse_mode(text: str) -> Mode:
         return Mode("suffix", "specmesh", "suffix", None)
     if t == "suffix-cost":
         return Mode("suffix-cost", "specmesh", "suffix", None, "cost")
-    if t == "hybrid":  # suffix drafts where the match is long, the model's elsewhere (coordinator/hybrid_draft.py)
+    if t == "hybrid":  # the default: suffix drafts where the match is long, the model's elsewhere (coordinator/drafting/)
         return Mode("hybrid", "specmesh", "hybrid", None, "cost")
     if t.startswith(("ngram:", "ngram=", "ngram k=")) and t.rpartition("=" if "=" in t else ":")[2].isdigit():
         k = int(t.rpartition("=" if "=" in t else ":")[2])

@@ -23,9 +23,9 @@ import grpc
 
 from coordinator.cancel import CancelToken, GenerationCancelled
 from coordinator.drafting.policies import DEFAULT_POLICY, POLICIES
-from coordinator.drafting.costs import PRIOR_ACCEPTANCE, CostEstimate
 from coordinator.fleet import WorkerPool
 from coordinator.drafting.hybrid import MODEL, SUFFIX, HybridDraftSource
+from coordinator.drafting.priors import cost_prior, measures_costs_later
 from coordinator.drafting.learned import SourceLearning
 from coordinator.loop import DraftLength, LoopConfig, LoopResult, speculative_decode
 from coordinator.record import Recorder
@@ -35,7 +35,7 @@ from coordinator.resilience import NoWorkerAvailable, ResilienceConfig
 from coordinator.remote_sessions import DegradingDraftSession, FailoverTargetSession, FaultStats, LazyDraftSource
 from coordinator.text_stream import TextStream
 from coordinator.translation import TokenTranslator, TranslatingDraftSource
-from coordinator.worker_client import WorkerError, measures_costs_later
+from coordinator.worker_client import WorkerError
 from specmesh.runtime.tokenizer import load_tokenizer
 from specmesh.ops import logs
 from specmesh.ops import metrics
@@ -442,8 +442,7 @@ class Coordinator:
         # it for the round's k.
         costs = self.model_costs if options.draft_tokens is None and options.draft_policy == "cost" else None
         if costs is not None and (learned or {}).get(MODEL) is not None:
-            costs = replace(costs, draft_s_per_token=costs.draft_s_per_token * learned[MODEL],
-                            draft_round_trip_s=costs.draft_round_trip_s * learned[MODEL])
+            costs = costs.with_draft_slowdown(learned[MODEL])
         model_off = costs is not None and costs.drafting_off(DraftLength.maximum) is not None
         if self.drafters is not None and (self.suffix_drafters is None or not model_off):
             open_session = opener(self.drafters)
@@ -508,25 +507,6 @@ class Coordinator:
         if self.recorder is not None:
             self.recorder.write(session_id=session_id, prompt=prompt, prompt_ids=prompt_ids, options=options,
                                 result=result)
-
-
-def cost_prior(verifier_info, drafter_info, round_trips: dict[str, float] | None = None) -> CostEstimate | None:
-    """The workers' measured costs, plus the measured round trip to each (`round_trips`, seconds by role), as the
-    cost policy's starting point. None when either worker reports none (not measured yet, or an older worker): a
-    draft model that reports 0 s per token has not measured it, and a prior with free drafts would draft long.
-    Round trips count in whole milliseconds, rounded down: on loopback or a LAN they are noise (and would make k,
-    and so a seeded sampled generation, depend on timing); across hosts they are what every round pays."""
-    if drafter_info is None or verifier_info.verify_base_s <= 0 or measures_costs_later(drafter_info):
-        return None
-    whole_ms = {role: math.floor(s * 1000) / 1000 for role, s in (round_trips or {}).items()}
-    # The measured curve when the verifier sends one (older verifiers send only the line), drafts ascending from 0.
-    curve = tuple(sorted((c.drafts, max(c.seconds, 0.0)) for c in getattr(verifier_info, "verify_costs", ())))
-    return CostEstimate(PRIOR_ACCEPTANCE, max(drafter_info.draft_per_token_s, 0.0), verifier_info.verify_base_s,
-                        max(verifier_info.verify_per_draft_s, 0.0), draft_round_trip_s=whole_ms.get("drafter", 0.0),
-                        verify_round_trip_s=whole_ms.get("verifier", 0.0),
-                        verify_curve=curve if curve and curve[0][0] == 0 else (),
-                        # Target-only generations stream (Decode): the round trip is paid once, not per token.
-                        target_streams=True)
 
 
 def round_trip_s(pool: WorkerPool, probes: int = 5) -> float:

@@ -9,6 +9,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.channel import CHANNEL_OPTIONS
+from coordinator.drafting.priors import measures_costs_later
 from coordinator.polling import wait_until
 from specmesh.wire.security import ClientSecurity, load_token
 from specmesh.v1 import specmesh_pb2 as pb
@@ -17,14 +18,6 @@ from specmesh.v1 import specmesh_pb2_grpc as pb_grpc
 
 class WorkerError(RuntimeError):
     """A worker could not be started, reached or used."""
-
-
-def measures_costs_later(info) -> bool:
-    """A worker that runs a model but reports no costs in its Info (0): it has not measured them yet. A worker measures
-    them after SERVING when they are not cached (specmesh/worker/cost_probe.py); a drafter without a model has none."""
-    if info is None or not getattr(info, "engine", ""):
-        return False
-    return (info.verify_base_s if info.role == "verifier" else info.draft_per_token_s) <= 0
 
 
 class RemoteWorker:

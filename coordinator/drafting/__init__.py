@@ -2,6 +2,7 @@
 
     rounds.py       RoundRecord: what one round of the loop measured (the input of everything below)
     costs.py        the cost model: CostEstimate (what a round with k drafts commits and costs), DraftingOff
+    priors.py       the cost model's starting point: the workers' measured costs from their Info
     estimators.py   what the rounds measured: acceptance, survival, the bet's hit rate, drafting slowdown
     policies.py     the policies choosing k: fixed, heuristic (HF's +2/-1), cost; POLICIES by name; DraftLength,
                     a generation's bounds on k and the policy deciding within them

@@ -84,12 +84,9 @@ class HybridDraftSource:
             return k
         prior = self.model_costs.acceptance
         acceptance = (self.model_accepted + PRIOR_WEIGHT * prior) / (self.model_drafted + PRIOR_WEIGHT)
-        costs = replace(self.model_costs, acceptance=acceptance, survival=(), tail_acceptance=None)
+        costs = self.model_costs.at_acceptance(acceptance)
         slowdown = self.model_slowdown() if self.timed else None
-        if slowdown is not None:
-            costs = replace(costs, draft_s_per_token=costs.draft_s_per_token * slowdown,
-                            draft_round_trip_s=costs.draft_round_trip_s * slowdown)
-        return costs.best_k(k)
+        return (costs if slowdown is None else costs.with_draft_slowdown(slowdown)).best_k(k)
 
     def propose(self, k: int, after: Sequence[int] = ()) -> Draft:
         self._model_draft = None

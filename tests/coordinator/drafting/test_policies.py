@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.api import cost_prior, round_trip_s
+from coordinator.api import round_trip_s
+from coordinator.drafting.priors import cost_prior
 from coordinator.drafting.estimators import (MIN_AT_RISK, MIN_DRAFTED_ROUNDS, estimate_costs, measured_bet_hit,
                                              measured_bet_slowdown, measured_survival, measured_tail_acceptance)
 from coordinator.drafting.policies import POLICIES, PROBE_EVERY, PROBE_RARELY, drafting_pays

@@ -46,6 +46,35 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+class PortBlock:
+    """Ports for the cluster's processes, handed out in order from a random block below the kernel's ephemeral
+    range (where other processes' port-0 sockets would take them between now and the node's start), each free on
+    every address (Ray's servers bind the wildcard address)."""
+
+    LOW, HIGH = 10000, 30000
+
+    def __init__(self, size: int) -> None:
+        self._next = random.randrange(self.LOW, self.HIGH - 4 * size)
+        self._limit = self._next + 4 * size
+
+    def take(self, count: int = 1) -> int:
+        """The first of `count` consecutive free ports."""
+        while self._next + count <= self._limit:
+            first, self._next = self._next, self._next + count
+            if all(self._free(port) for port in range(first, first + count)):
+                return first
+        raise RuntimeError("no free ports left in the cluster's block")
+
+    @staticmethod
+    def _free(port: int) -> bool:
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                return False
+        return True
+
+
 def children_of() -> dict[int, list[int]]:
     """Every process's children, from /proc (parent pid -> child pids)."""
     children: dict[int, list[int]] = {}
@@ -141,26 +170,25 @@ class LocalRayCluster:
         self.temp_dir = temp_dir or tempfile.mkdtemp(prefix="specmesh-ray-")
         self.env = dict(os.environ if env is None else env, RAY_USAGE_STATS_ENABLED="0")
         self.ips = [f"127.0.0.{first_ip + i}" for i in range(len(nodes))]
-        self.gcs_port = free_port(self.ips[0])
+        self.ports = PortBlock(len(nodes) * (WORKER_PORTS_PER_NODE + 8) + 1)
+        self.gcs_port = self.ports.take()
         self.address = f"{self.ips[0]}:{self.gcs_port}"
         self.nodes: list[LocalNode] = []
-        self._worker_port_base = random.randrange(20000, 60000 - WORKER_PORTS_PER_NODE * len(nodes))
 
     def _command(self, index: int, spec: NodeSpec) -> list[str]:
         import json
-        ip = self.ips[index]
-        low = self._worker_port_base + index * WORKER_PORTS_PER_NODE
+        ip, port = self.ips[index], self.ports.take
+        low = port(WORKER_PORTS_PER_NODE)
         command = [sys.executable, "-m", "ray.scripts.scripts", "start", "--block", "--node-ip-address", ip,
                    "--num-cpus", str(spec.num_cpus), "--resources", json.dumps(dict(spec.resources)),
                    "--object-store-memory", str(OBJECT_STORE_BYTES), "--disable-usage-stats",
-                   "--node-manager-port", str(free_port(ip)), "--object-manager-port", str(free_port(ip)),
-                   "--runtime-env-agent-port", str(free_port(ip)), "--metrics-export-port", str(free_port(ip)),
-                   "--dashboard-agent-grpc-port", str(free_port(ip)),
-                   "--dashboard-agent-listen-port", str(free_port(ip)),
+                   "--node-manager-port", str(port()), "--object-manager-port", str(port()),
+                   "--runtime-env-agent-port", str(port()), "--metrics-export-port", str(port()),
+                   "--dashboard-agent-grpc-port", str(port()), "--dashboard-agent-listen-port", str(port()),
                    "--min-worker-port", str(low), "--max-worker-port", str(low + WORKER_PORTS_PER_NODE - 1)]
         if index == 0:
             command += ["--head", "--port", str(self.gcs_port), "--include-dashboard", "false",
-                        "--ray-client-server-port", str(free_port(ip)), "--temp-dir", self.temp_dir]
+                        "--ray-client-server-port", str(port()), "--temp-dir", self.temp_dir]
         else:
             command += ["--address", self.address]
         return command
@@ -190,11 +218,18 @@ class LocalRayCluster:
         return "\n".join(node.log_path.read_text(errors="replace").splitlines()[-lines:])
 
     def start(self) -> LocalRayCluster:
-        head = self._start_node(0)
-        self._wait_started(head, START_TIMEOUT_S)
-        workers = [self._start_node(i) for i in range(1, len(self.specs))]
-        for node in workers:
-            self._wait_started(node, START_TIMEOUT_S)
+        # One node at a time: on a small, busy machine nodes started together time out registering with the GCS.
+        for index in range(len(self.specs)):
+            for attempt in (1, 2):
+                node = self._start_node(index)
+                try:
+                    self._wait_started(node, START_TIMEOUT_S)
+                    break
+                except RuntimeError:
+                    self.nodes.remove(node)
+                    kill_all(snapshot(node.pids()))
+                    if index == 0 or attempt == 2:
+                        raise
         return self
 
     def node(self, name: str) -> LocalNode:

@@ -87,7 +87,7 @@ def test_smoke_on_tiny_models(tmp_path, capsys):
     out = tmp_path / "result.json"
     status = smoke.main(["--target-model", "tiny-random-qwen2", "--draft-model", "tiny-random-qwen2-b",
                          "--dtype", "float64", "--max-tokens", "32", "--inject-latency", "0.15",
-                         "--downscale-delay", "8", "--overhead-rounds", "2", "--overhead-tokens", "16",
+                         "--downscale-delay", "20", "--overhead-rounds", "2", "--overhead-tokens", "16",
                          "--out", str(out)])
     import json
     summary = json.loads(out.read_text())

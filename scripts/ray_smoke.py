@@ -41,11 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))  # run as a script from anywhere: the project's packages from this checkout
-
-from specmesh.rayserve.local_cluster import LocalRayCluster, NodeSpec, free_port  # noqa: E402
+from specmesh.rayserve.local_cluster import LocalRayCluster, NodeSpec, free_port
 
 APP = "specmesh"
 PROMPTS = [
@@ -62,7 +58,7 @@ def say(message: str) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="ray_smoke", description=__doc__.split("\n")[0],
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--target-model", default=None, help="verifier model (default: coordinator serve's)")
     p.add_argument("--draft-model", default=None, help="drafter model (default: coordinator serve's)")

@@ -5,7 +5,8 @@ PY     := $(VENV)/bin/python
 PROMPT ?= Write a Python function that checks whether a number is prime.
 ARGS   ?=
 # Extras installed with the project: test by default; `make setup EXTRAS=test,llamacpp` adds the llama.cpp engine
-# (llama-cpp-python, built from source), `EXTRAS=test,ray` Ray Serve (docs/deployment.md#ray). The last choice sticks: later `make` calls keep it.
+# (llama-cpp-python, built from source), `EXTRAS=test,ray` Ray Serve (docs/deployment.md#ray). The last choice
+# sticks: later `make` calls keep it.
 EXTRAS ?= $(shell cat $(VENV)/.extras 2>/dev/null || echo test)
 
 .PHONY: setup run test test-fast models proto clean deploy-smoke ray-smoke docs-results

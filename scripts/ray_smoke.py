@@ -169,8 +169,8 @@ class ReplicaWatch:
 
 
 def request(client, kind: str, prompt: str, max_tokens: int, stream: bool, progress: list | None = None) -> dict:
-    started = time.monotonic()
     common = dict(model=client.models.list().data[0].id, max_tokens=max_tokens, temperature=0)
+    started = time.monotonic()  # the request alone
     if kind == "chat":
         call = client.chat.completions.create(messages=[{"role": "user", "content": prompt}], stream=stream, **common)
     else:

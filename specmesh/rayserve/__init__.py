@@ -8,5 +8,6 @@ affinity, failover (ingress.py). Ray places, restarts and scales the replicas; v
 `autoscaling_config` on the generations each replica is serving (autoscaling.py). `build_app` (app.py) is the
 application, for `serve run deploy/ray/specmesh.yaml`, KubeRay's RayService, or `serve.run` from Python.
 
-Only app.py's config half (config.py) is importable without Ray: it checks a deployment's arguments offline.
+config.py (the application's arguments, checked offline), autoscaling.py and local_cluster.py (a multi-node Ray
+cluster on one machine, for the smoke run) import without Ray; the rest needs it.
 """

@@ -592,8 +592,12 @@ def test_ray_serve_config_builds_a_valid_app():
     assert parsed.args.target_model == DEFAULT_TARGET_MODEL and parsed.args.draft_model == DEFAULT_DRAFT_MODEL
     assert parsed.scaling.max_replicas > parsed.scaling.min_replicas, "the verifier deployment autoscales"
     if importlib.util.find_spec("ray") is not None:
+        from ray.serve import Application
         from ray.serve.schema import ServeDeploySchema
+
+        from specmesh.rayserve.app import build_app
         ServeDeploySchema.model_validate(config)
+        assert isinstance(build_app(app["args"]), Application)  # what `serve run` builds (nothing is started)
 
 
 def test_rayservice_runs_the_same_app():

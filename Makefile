@@ -5,10 +5,11 @@ PY     := $(VENV)/bin/python
 PROMPT ?= Write a Python function that checks whether a number is prime.
 ARGS   ?=
 # Extras installed with the project: test by default; `make setup EXTRAS=test,llamacpp` adds the llama.cpp engine
-# (llama-cpp-python, built from source). The last choice sticks: later `make` calls keep it.
+# (llama-cpp-python, built from source), `EXTRAS=test,ray` Ray Serve (docs/deployment.md#ray). The last choice
+# sticks: later `make` calls keep it.
 EXTRAS ?= $(shell cat $(VENV)/.extras 2>/dev/null || echo test)
 
-.PHONY: setup run test test-fast models proto clean deploy-smoke docs-results
+.PHONY: setup run test test-fast models proto clean deploy-smoke ray-smoke docs-results
 
 setup: $(VENV)/.installed models
 
@@ -48,6 +49,14 @@ test-fast: $(VENV)/.installed
 deploy-smoke: $(VENV)/.installed
 	$(PY) -m pip show podman-compose >/dev/null 2>&1 || $(PY) -m pip install -q --disable-pip-version-check "podman-compose==1.6.0"
 	$(PY) scripts/deploy_smoke.py $(ARGS)
+
+# specmesh on Ray Serve, run for real (docs/deployment.md#ray): a Ray cluster of three nodes on this machine, the
+# default pair, concurrent requests, a verifier's node killed mid-generation, autoscaling 1 -> 2 -> 1, the overhead
+# against `coordinator serve`. Needs the ray extra (`make setup EXTRAS=test,ray`); minutes. `make test` runs a small
+# version on tiny models (tests/rayserve/). ARGS are passed on.
+ray-smoke: $(VENV)/.installed
+	@$(PY) -c "import ray.serve" 2>/dev/null || { echo "ray-smoke: needs the ray extra: make setup EXTRAS=test,ray" >&2; exit 2; }
+	$(PY) scripts/ray_smoke.py $(ARGS)
 
 proto: $(VENV)/.installed
 	$(PY) scripts/gen_proto.py

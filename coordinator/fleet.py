@@ -3,6 +3,11 @@
 `--verifier` may be repeated, and a `dns:///name:port` target expands to every address the name resolves to (a
 Kubernetes headless Service), re-resolved when no endpoint is usable. A new session goes to the least loaded endpoint,
 or to the one that most likely holds its prompt's prefix in its prefix cache (prefix affinity), within a slack.
+
+Where something else knows the live workers (Ray Serve's replicas: specmesh/rayserve/ingress.py), it hands the pool
+the whole set with `set_addresses`: new addresses become endpoints, and an address that left is retired: no new
+session goes there, its sessions move on at their next call (the next verifier rebuilds the KV cache from the
+history), and its endpoint is closed once none is pinned to it.
 """
 
 from __future__ import annotations
@@ -64,6 +69,7 @@ class Endpoint:
         self.address, self.role = client.address, client.role
         self.breaker = breaker
         self.serving = False
+        self.retired = False  # left the pool's address set (set_addresses): used by no session once they move on
         self.sessions = 0  # generations currently pinned here
         # The token histories of the last sessions that ended here: what the worker's prefix cache most likely holds
         # (a coordinator-side shadow, as SGLang's cache-aware router keeps; the worker is never asked).
@@ -91,7 +97,7 @@ class Endpoint:
         self.client.end_session(session_id)
 
     def usable(self) -> bool:
-        return self.serving and self.breaker.allows_call()
+        return self.serving and not self.retired and self.breaker.allows_call()
 
     def _set_serving(self, serving: bool) -> None:
         if serving != self.serving:
@@ -155,8 +161,42 @@ class WorkerPool:
                 breaker = EndpointBreaker(f"{self.role}@{address}", self.config, self.transitions)
                 self.endpoints.append(Endpoint(self.connect(address, self.role), breaker, self.health_log))
 
+    def set_addresses(self, addresses: Sequence[str]) -> tuple[list[str], list[str]]:
+        """Make `addresses` the pool's workers (from whoever knows the live ones); (added, retired) addresses.
+
+        The endpoint list is replaced, never changed in place, so that a reader iterating it sees one whole list. A
+        retired endpoint stays in the list, unusable, until no session is pinned to it (a session's next call moves
+        it: see Endpoint.usable); then it is closed. An address that comes back before that is taken back."""
+        wanted = list(dict.fromkeys(addresses))
+        added, retired = [], []
+        with self._lock:
+            self.targets = wanted
+            by_address = {e.address: e for e in self.endpoints}
+            endpoints = []
+            for endpoint in self.endpoints:
+                if endpoint.address in wanted:
+                    endpoint.retired = False
+                    endpoints.append(endpoint)
+                    continue
+                if not endpoint.retired:
+                    endpoint.retired = True
+                    retired.append(endpoint.address)
+                    log.info("%s %s left the pool; its sessions move on", self.role, endpoint.address)
+                if endpoint.sessions > 0:
+                    endpoints.append(endpoint)
+                else:
+                    endpoint.close()
+            for address in wanted:
+                if address not in by_address:
+                    breaker = EndpointBreaker(f"{self.role}@{address}", self.config, self.transitions)
+                    endpoints.append(Endpoint(self.connect(address, self.role), breaker, self.health_log))
+                    added.append(address)
+                    log.info("%s %s joined the pool", self.role, address)
+            self.endpoints = endpoints
+        return added, retired
+
     def first_serving(self) -> Endpoint | None:
-        return next((e for e in self.endpoints if e.serving), None)
+        return next((e for e in self.endpoints if e.serving and not e.retired), None)
 
     def wait_any_serving(self, timeout_s: float, unreachable_timeout_s: float | None = None) -> Endpoint | None:
         """The first endpoint health reports SERVING, waiting up to `timeout_s` for one; None if none is.

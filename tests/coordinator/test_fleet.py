@@ -127,3 +127,33 @@ def test_targets_expand_to_addresses():
     assert expand_targets(["a:1", "b:2", "a:1"]) == ["a:1", "b:2"]
     assert "127.0.0.1:50051" in expand_targets(["dns:///localhost:50051"])
     assert expand_targets(["dns:///localhost:not-a-port"]) == [], "an unresolvable target is skipped"
+
+
+def test_set_addresses_adds_new_workers_and_retires_departed_ones(fakes):
+    """The pool Ray feeds (specmesh/rayserve/ingress.py): a new address joins; one that left takes no new session,
+    moves its sessions on at their next call, and is closed once none is pinned to it; one that comes back first is
+    taken back."""
+    first, second, third = fakes.addresses
+    pool = WorkerPool([first, second], "verifier", CONFIG, connect=fakes.connect)
+    try:
+        assert wait_until(lambda: all(e.serving for e in pool.endpoints), 5.0)
+        assert pool.set_addresses([first, second]) == ([], [])
+        added, retired = pool.set_addresses([second, third])
+        assert (added, retired) == ([third], [first])
+        b, c = pool.endpoints  # nothing was pinned to the first: closed at once
+        assert [e.address for e in pool.endpoints] == [second, third] and fakes[0].closed
+        assert wait_until(lambda: c.serving, 5.0)
+        assert pool.set_addresses([second, third]) == ([], [])
+        b.sessions = 1  # a generation pinned to the second when it leaves
+        assert pool.set_addresses([third]) == ([], [second])
+        assert b in pool.endpoints and b.retired and not b.usable() and not fakes[1].closed
+        assert pool.pick() is c and pool.pick(avoid=c) is c
+        assert pool.first_serving() is c
+        assert pool.set_addresses([second, third]) == ([], [])  # back before its sessions moved: taken back
+        assert not b.retired and b.usable()
+        pool.set_addresses([third])
+        b.sessions = 0  # the session moved on
+        pool.set_addresses([third])
+        assert pool.endpoints == [c] and fakes[1].closed
+    finally:
+        pool.close()

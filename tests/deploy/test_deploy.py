@@ -592,3 +592,96 @@ def test_deploy_smoke_is_a_make_target_outside_make_test():
     # pytest collects tests/ only (pyproject testpaths): the smoke itself never runs in `make test`.
     assert tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["testpaths"] == \
         ["tests"]
+
+
+# ------------------------------------------------------------------------------- Ray: deploy/ray/, KubeRay RayService
+
+RAY_CONFIG = DEPLOY / "ray" / "specmesh.yaml"
+RAYSERVICE = K8S / "rayservice.yaml"
+
+
+def serve_applications(config: dict) -> dict[str, dict]:
+    return {app["name"]: app for app in config["applications"]}
+
+
+def test_ray_serve_config_builds_a_valid_app():
+    """deploy/ray/specmesh.yaml: Serve's own schema (with the ray extra), and the app's arguments through
+    specmesh.rayserve.config (coordinator serve's real parser for serve_args)."""
+    from specmesh.rayserve.config import RayAppConfig
+    config = yaml.safe_load(RAY_CONFIG.read_text())
+    (app,) = config["applications"]
+    assert app["import_path"] == "specmesh.rayserve.app:build_app" and app["route_prefix"] == "/"
+    parsed = RayAppConfig.from_args(app["args"])
+    assert parsed.args.target_model == DEFAULT_TARGET_MODEL and parsed.args.draft_model == DEFAULT_DRAFT_MODEL
+    assert parsed.scaling.max_replicas > parsed.scaling.min_replicas, "the verifier deployment autoscales"
+    if importlib.util.find_spec("ray") is not None:
+        from ray.serve import Application
+        from ray.serve.schema import ServeDeploySchema
+
+        from specmesh.rayserve.app import build_app
+        ServeDeploySchema.model_validate(config)
+        assert isinstance(build_app(app["args"]), Application)  # what `serve run` builds (nothing is started)
+
+
+def test_rayservice_runs_the_same_app():
+    (service,) = load_yaml_docs(RAYSERVICE)
+    assert service["apiVersion"] == "ray.io/v1" and service["kind"] == "RayService"
+    assert service["metadata"]["namespace"] == NAMESPACE
+    from specmesh.rayserve.config import RayAppConfig
+    serve_config = yaml.safe_load(service["spec"]["serveConfigV2"])
+    local = serve_applications(yaml.safe_load(RAY_CONFIG.read_text()))
+    for name, app in serve_applications(serve_config).items():
+        assert app["import_path"] == local[name]["import_path"] and app["route_prefix"] == local[name]["route_prefix"]
+        parsed = RayAppConfig.from_args(app["args"])
+        assert parsed.args.target_model == DEFAULT_TARGET_MODEL and parsed.args.device == "cuda"
+        assert parsed.verifier.num_gpus == 1, "GPU verifiers declare their GPU to Ray"
+        token_file = parsed.args.token_file
+    if importlib.util.find_spec("ray") is not None:
+        from ray.serve.schema import ServeDeploySchema
+        ServeDeploySchema.model_validate(serve_config)
+    cluster = service["spec"]["rayClusterConfig"]
+    assert cluster["rayVersion"] == "2.60.0", "the Ray of the ray extra (pyproject.toml)"
+    pins = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["ray"]
+    assert pins == [f"ray[serve]=={cluster['rayVersion']}"]
+    # Every pod: the same cache volume and token Secret as the other manifests, mounted where the app reads them.
+    templates = [cluster["headGroupSpec"]["template"], *[g["template"] for g in cluster["workerGroupSpecs"]]]
+    for template in templates:
+        pod = template["spec"]
+        assert pod["securityContext"]["runAsUser"] == NON_ROOT_UID and pod["enableServiceLinks"] is False
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes["model-cache"]["persistentVolumeClaim"]["claimName"] == "specmesh-model-cache"
+        assert volumes["token"]["secret"]["secretName"] == "specmesh-token"
+        (container,) = pod["containers"]
+        mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+        assert token_file == f"{mounts['token']}/token" and mounts["model-cache"] == "/cache"
+    assert {"serve": 8000} .items() <= {p["name"]: p["containerPort"] for p in
+                                        cluster["headGroupSpec"]["template"]["spec"]["containers"][0]["ports"]}.items()
+    gpu_group = cluster["workerGroupSpecs"][0]
+    assert gpu_group["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert gpu_group["minReplicas"] <= gpu_group["replicas"] <= gpu_group["maxReplicas"]
+
+
+def test_rayservice_pod_templates_validate_against_schemas():
+    """The RayService itself is a KubeRay custom resource (no schema here); its pod templates are Kubernetes'
+    PodTemplateSpec, validated as such."""
+    kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate (a [test] extra) is not installed")
+    (service,) = load_yaml_docs(RAYSERVICE)
+    cluster = service["spec"]["rayClusterConfig"]
+    templates = {"head": cluster["headGroupSpec"]["template"],
+                 **{g["groupName"]: g["template"] for g in cluster["workerGroupSpecs"]}}
+    errors = []
+    for version in kubernetes_versions():
+        for name, template in templates.items():
+            obj = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": name, "namespace": NAMESPACE},
+                   "template": template}
+            try:
+                kv.validate(obj, version, strict=True)
+            except kv.ValidationError as e:
+                errors.append(f"{name} (k8s {version}) at {'.'.join(map(str, e.path))}: {e.message}")
+    assert not errors, "\n".join(errors)
+
+
+def test_ray_smoke_is_a_make_target():
+    makefile = (REPO / "Makefile").read_text()
+    assert re.search(r"^ray-smoke:.*\n(\t.*\n)*\t.*scripts/ray_smoke\.py", makefile, re.M)
+    assert "ray-smoke" in re.search(r"^\.PHONY:(.*)$", makefile, re.M).group(1).split()

@@ -38,7 +38,8 @@ def test_benchmark_scripts_are_the_coordinator_commands(name, module, monkeypatc
     assert options(run.stdout) == options(module.build_parser("coordinator bench").format_help())
 
 
-@pytest.mark.parametrize("name", ["chaos.py", "fuzz.py", "profile_round.py", "profile_cores.py", "worker_memory.py"])
+@pytest.mark.parametrize("name", ["chaos.py", "fuzz.py", "profile_round.py", "profile_cores.py", "worker_memory.py",
+                                  "ray_smoke.py"])
 def test_tool_scripts_start(name):
     run = script(name, "--help")
     assert run.returncode == 0, run.stderr

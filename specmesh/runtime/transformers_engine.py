@@ -5,6 +5,12 @@ PREFIX_CACHE_MAX_ENTRIES, least recently used dropped first); a new session star
 longest prefix of its first request, so it computes only what that request adds. In float32 the keys/values of a
 prefix do not depend on how it was split into passes (the k-token pass equals the one-token pass), so the logits
 after a resume equal a fresh prefill's.
+
+Deterministic mode (`deterministic=True`, the workers' default: `--deterministic`): every pass is one session's
+fixed-shape chunk (specmesh/runtime/fixed_chunks.py), so a position's logits and keys/values are the same bits
+whatever other sessions run, however the sequence was split into passes, after a resume and after a failover
+rebuild, in every dtype. Off, sessions are batched into shared passes (faster under load), and in bfloat16 an
+answer then varies with the load.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ from transformers import DynamicCache
 from specmesh.runtime.batched_forward import batched_logits, can_batch
 from specmesh.runtime.devices import dtype_name
 from specmesh.runtime.file_embedding import file_backed_bytes
+from specmesh.runtime import fixed_chunks
+from specmesh.runtime.fixed_chunks import ChunkedSequence
 from specmesh.runtime.kv_cache import CachedSequence
 from specmesh.runtime.models import LoadedModel
 from specmesh.runtime.model_thread import ModelThread
@@ -57,6 +65,10 @@ class _ThreadedSequence(CachedSequence):
         return self._engine._thread.run(self._engine._logits_for, self, list(sequence), last_n)
 
 
+class _ThreadedChunkedSequence(_ThreadedSequence, ChunkedSequence):
+    """A _ThreadedSequence whose passes are fixed-shape chunks (deterministic mode)."""
+
+
 def _cache_bytes(cache: DynamicCache) -> int:
     return sum(t.numel() * t.element_size() for layer in cache.layers
                for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if isinstance(t, torch.Tensor))
@@ -72,7 +84,10 @@ def weights_bytes(model: torch.nn.Module) -> int:
 class TransformersEngine(PrefixCacheCounters):
     engine = "transformers"
 
-    def __init__(self, loaded: LoadedModel, max_batch_size: int = 64, prefix_cache: bool = True) -> None:
+    def __init__(self, loaded: LoadedModel, max_batch_size: int = 64, prefix_cache: bool = True,
+                 deterministic: bool = False) -> None:
+        if deterministic:
+            fixed_chunks.check_model(loaded.model)
         self.loaded = loaded
         self.model = loaded.model
         self.name = loaded.name
@@ -85,7 +100,9 @@ class TransformersEngine(PrefixCacheCounters):
         self.has_chat_template = loaded.has_chat_template
         self.linear_backend = loaded.linear_backend
         self.context_limit = getattr(loaded.model.config, "max_position_embeddings", None)
-        self.max_batch_size = max_batch_size if can_batch(loaded.model) else 1
+        self.deterministic = deterministic
+        # Deterministic: one session a pass (a shared pass would make a session's shapes depend on the others).
+        self.max_batch_size = max_batch_size if can_batch(loaded.model) and not deterministic else 1
         self.weights_bytes = weights_bytes(loaded.model)
         self._thread = ModelThread("transformers-forward")
         self.prefix_cache = prefix_cache  # off: a session never starts from another's cache (benchmarks of decoding)
@@ -101,7 +118,7 @@ class TransformersEngine(PrefixCacheCounters):
             return self._prefixes.prefixes()
 
     def new_sequence(self) -> CachedSequence:
-        return _ThreadedSequence(self)
+        return _ThreadedChunkedSequence(self) if self.deterministic else _ThreadedSequence(self)
 
     def _take_released(self) -> None:
         """Dropped sessions' caches become prefix cache entries, within the bounds (least recently used out first)."""
@@ -137,7 +154,8 @@ class TransformersEngine(PrefixCacheCounters):
 
     def _logits_for(self, sequence: _ThreadedSequence, tokens: list[int], last_n: int) -> torch.Tensor:
         self._resume([sequence], [tokens], [last_n])
-        return CachedSequence.logits_for(sequence, tokens, last_n)
+        passes = ChunkedSequence if self.deterministic else CachedSequence
+        return passes.logits_for(sequence, tokens, last_n)
 
     def _batched_logits(self, sequences: Sequence[CachedSequence], requests: Sequence[Sequence[int]],
                         last_ns: Sequence[int]) -> list[torch.Tensor]:

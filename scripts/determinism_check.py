@@ -92,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--draft-tokens", type=int, default=None, help="fixed k (default: the adaptive policy)")
     parser.add_argument("--kill", action="store_true", help="SIGKILL a verifier during the second pass")
+    parser.add_argument("--verifiers", type=int, default=2, help="verifier processes (--kill needs 2)")
     parser.add_argument("--threads", type=int, default=1, help="threads of each worker")
     parser.add_argument("--json", default=None, help="append the result as one JSON line to this file")
     args = parser.parse_args(argv)
@@ -109,13 +110,14 @@ def main(argv: list[str] | None = None) -> int:
                                                  engine=args.engine, extra_args=flags), logs)
             stack.callback(worker.stop)
             return worker
-        verifiers = [start("verifier", args.target) for _ in range(2)]
-        drafter = start("drafter", args.draft)
-        for worker in (*verifiers, drafter):
+        verifiers = [start("verifier", args.target) for _ in range(args.verifiers)]
+        drafter = start("drafter", args.draft) if args.draft_tokens != 0 else None  # target-only: no drafter
+        for worker in [*verifiers, *([drafter] if drafter else [])]:
             worker.wait_serving(300)
             worker.wait_costs(300)  # the cost policy starts from them: the same prior in both passes
         coordinator = stack.enter_context(Coordinator(verifier=[v.address for v in verifiers],
-                                                      drafter=drafter.address, tokenizer=load_tokenizer(args.target)))
+                                                      drafter=drafter.address if drafter else None,
+                                                      tokenizer=load_tokenizer(args.target)))
         first, first_s, first_tokens = run_pass(coordinator, work, args.concurrency)
         done = [0]
 

@@ -79,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     engines = {mode: VerifyEngine(TransformersEngine(loaded, prefix_cache=False, deterministic=mode),
                                   batching=BatchingConfig())
                for mode in (True, False)}
+    for engine in engines.values():  # warm-up: the first passes of each shape are slow
+        measure(engine, 2, args.prompt_tokens, 4, loaded.vocab_size, -1)
     best: dict[tuple[bool, int], dict] = {}
     for run in range(args.repeats):
         for sessions in map(int, args.sessions.split(",")):

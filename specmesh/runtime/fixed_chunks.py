@@ -35,6 +35,9 @@ from specmesh.runtime.kv_cache import CachedSequence
 # block (32), so that a chunk is one query block.
 CHUNK_TOKENS = 16
 PAD_TOKEN = 0  # any id: padding rows' outputs are never used
+# A forward pass's keyword naming, per batch row, the first key column of that row's session (the columns before it
+# are another session's padding): attention then runs row by row over the session's own columns (_rowwise_sdpa).
+ROW_KEYS_FROM = "specmesh_row_keys_from"
 
 
 def chunk_start(position: int) -> int:
@@ -51,6 +54,109 @@ def check_model(model: torch.nn.Module) -> None:
         raise ValueError(f"deterministic passes need sdpa or eager attention over full-attention layers; this model "
                          f"has {attention!r} attention and layers {getattr(model.config, 'layer_types', None)}: "
                          "run it with --no-deterministic")
+
+
+def _rowwise_sdpa(module, query, key, value, attention_mask, **kwargs):
+    """transformers' sdpa attention, run row by row over each row's own key columns when the pass names them: a
+    session's attention then has the shapes of its own pass, whatever other sessions share the batch (their
+    padding would otherwise widen its key length, and so change its rounding). Passes that do not name them (the
+    --no-deterministic engines, other code) get the plain function."""
+    keys_from = kwargs.pop(ROW_KEYS_FROM, None)
+    if keys_from is None:
+        return _PLAIN_SDPA(module, query, key, value, attention_mask, **kwargs)
+    rows = [_PLAIN_SDPA(module, query[row:row + 1].contiguous(), key[row:row + 1, :, first:].contiguous(),
+                        value[row:row + 1, :, first:].contiguous(),
+                        attention_mask[row:row + 1, :, :, first:].contiguous(), **kwargs)[0]
+            for row, first in enumerate(keys_from)]
+    return torch.cat(rows), None
+
+
+_PLAIN_SDPA = None
+
+
+def _install_rowwise_sdpa() -> None:
+    """Wrap transformers' "sdpa" attention with _rowwise_sdpa, once per process (AttentionInterface.register, the
+    library's own way to replace an attention function)."""
+    global _PLAIN_SDPA
+    if _PLAIN_SDPA is not None:
+        return
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    _PLAIN_SDPA = sdpa_attention_forward
+    AttentionInterface.register("sdpa", _rowwise_sdpa)
+
+
+def _rowwise(model: torch.nn.Module) -> bool:
+    """Whether the model's attention is sdpa, which deterministic passes run row by row (installed on first use)."""
+    if getattr(model.config, "_attn_implementation", None) != "sdpa":
+        return False
+    _install_rowwise_sdpa()
+    return True
+
+
+def can_share_passes(model: torch.nn.Module) -> bool:
+    """Whether sessions' chunks may share a pass: sdpa attention (run row by row, _rowwise_sdpa), and linear layers
+    that give a row the same bits whatever the row count. The second is a property of the kernels, not guaranteed
+    (oneDNN and torch's CPU kernels have it on the machines measured; cuBLAS's split-K choice depends on the row
+    count), so it is checked here, on this model, with chunks of sessions of different lengths."""
+    if not _rowwise(model):
+        return False
+    vocab = model.config.vocab_size
+    histories = [[(31 * s + 7 * i + 3) % vocab for i in range(length)] for s, length in enumerate((5, 21, 40))]
+
+    def prefilled() -> list[ChunkedSequence]:
+        sequences = [ChunkedSequence(model) for _ in histories]
+        for sequence, history in zip(sequences, histories):
+            sequence.logits_for(history[:-2], 1)
+        return sequences
+    alone = [sequence.logits_for(h, 2) for sequence, h in zip(prefilled(), histories)]
+    together = shared_chunk_logits(model, prefilled(), histories, [2, 2, 2])
+    return all(torch.equal(a, b) for a, b in zip(alone, together))
+
+
+def in_one_chunk(sequence: CachedSequence, tokens: Sequence[int], last_n: int) -> bool:
+    """Whether a request's pass is a single chunk (what shared_chunk_logits takes)."""
+    return len(tokens) <= chunk_start(sequence.reusable_length(tokens, last_n)) + CHUNK_TOKENS
+
+
+@torch.inference_mode()
+def shared_chunk_logits(model: torch.nn.Module, sequences: Sequence[ChunkedSequence],
+                        requests: Sequence[Sequence[int]], last_ns: Sequence[int]) -> list[torch.Tensor]:
+    """Like `[s.logits_for(r, n) ...]` for requests that are each one chunk (in_one_chunk), in one pass whose rows
+    are the sessions' chunks: the same bits as their own passes where can_share_passes(model)."""
+    from specmesh.runtime.batched_forward import _padded_cache, _store_row
+
+    starts = [chunk_start(s.reusable_length(r, n)) for s, r, n in zip(sequences, requests, last_ns)]
+    fresh = []
+    for sequence, tokens, start in zip(sequences, requests, starts):
+        if len(tokens) > start + CHUNK_TOKENS:
+            raise ValueError("a request of several chunks cannot share a pass")
+        sequence.rollback(start)
+        fresh.append(list(tokens[start:]))
+    batch, l_max, device = len(sequences), max(starts), model.device
+    input_ids = torch.full((batch, CHUNK_TOKENS), PAD_TOKEN, dtype=torch.long, device=device)
+    position_ids = torch.zeros(batch, CHUNK_TOKENS, dtype=torch.long, device=device)
+    allowed = torch.zeros(batch, 1, CHUNK_TOKENS, l_max + CHUNK_TOKENS, dtype=torch.bool, device=device)
+    causal = torch.ones(CHUNK_TOKENS, CHUNK_TOKENS, dtype=torch.bool, device=device).tril()
+    for row, (tokens, start) in enumerate(zip(fresh, starts)):
+        input_ids[row, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        position_ids[row] = torch.arange(start, start + CHUNK_TOKENS)
+        allowed[row, 0, :, l_max - start:l_max] = True
+        allowed[row, 0, :, l_max:] = causal
+    dtype = next(model.parameters()).dtype
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
+    cache = _padded_cache(model, sequences, l_max)
+    out = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, cache=cache, use_cache=True,
+                logits_to_keep=CHUNK_TOKENS, **{ROW_KEYS_FROM: [l_max - start for start in starts]})
+    results = []
+    for row, (sequence, tokens, start, request, last_n) in enumerate(zip(sequences, fresh, starts, requests,
+                                                                           last_ns)):
+        _store_row(model, sequence, cache, row, l_max - start, l_max + len(tokens))
+        sequence.cached_tokens.extend(tokens)
+        wanted = len(request) - last_n - start
+        results.append(out.logits[row, wanted:len(tokens), :])
+    return results
 
 
 class ChunkedSequence(CachedSequence):
@@ -83,8 +189,10 @@ class ChunkedSequence(CachedSequence):
         dtype = next(model.parameters()).dtype
         # Additive form, as in batched_forward: accepted by both sdpa and eager attention.
         mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
+        # sdpa: through _rowwise_sdpa, the very code a shared pass runs for this session's row.
+        rowwise = {ROW_KEYS_FROM: [0]} if _rowwise(model) else {}
         out = model(input_ids=input_ids, attention_mask=mask[None, None], position_ids=position_ids, cache=self.cache,
-                    use_cache=True, logits_to_keep=CHUNK_TOKENS)
+                    use_cache=True, logits_to_keep=CHUNK_TOKENS, **rowwise)
         if n < CHUNK_TOKENS:
             self.cache.crop(n - CHUNK_TOKENS)  # the padding's keys/values go (transformers 5: a negative count)
         self.cached_tokens.extend(tokens)

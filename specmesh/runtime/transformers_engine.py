@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -101,10 +102,18 @@ class TransformersEngine(PrefixCacheCounters):
         self.linear_backend = loaded.linear_backend
         self.context_limit = getattr(loaded.model.config, "max_position_embeddings", None)
         self.deterministic = deterministic
-        # Deterministic: one session a pass (a shared pass would make a session's shapes depend on the others).
-        self.max_batch_size = max_batch_size if can_batch(loaded.model) and not deterministic else 1
-        self.weights_bytes = weights_bytes(loaded.model)
         self._thread = ModelThread("transformers-forward")
+        # Deterministic: sessions share a pass only where that gives each the bits of its own pass (checked on this
+        # model and machine: fixed_chunks.can_share_passes); else one session a pass.
+        if deterministic:
+            shared = self._thread.run(fixed_chunks.can_share_passes, loaded.model)
+            if not shared:
+                logging.getLogger(__name__).warning(
+                    "deterministic: one session a pass (sessions' chunks sharing a pass would round differently here)")
+            self.max_batch_size = max_batch_size if shared else 1
+        else:
+            self.max_batch_size = max_batch_size if can_batch(loaded.model) else 1
+        self.weights_bytes = weights_bytes(loaded.model)
         self.prefix_cache = prefix_cache  # off: a session never starts from another's cache (benchmarks of decoding)
         self._prefixes: PrefixIndex[DynamicCache] = PrefixIndex()
         self._released: list[_Slot] = []  # dropped sessions' slots, taken into the prefix cache on the model thread
@@ -160,7 +169,20 @@ class TransformersEngine(PrefixCacheCounters):
     def _batched_logits(self, sequences: Sequence[CachedSequence], requests: Sequence[Sequence[int]],
                         last_ns: Sequence[int]) -> list[torch.Tensor]:
         self._resume(sequences, requests, last_ns)
-        return batched_logits(self.model, sequences, requests, last_ns)
+        if not self.deterministic:
+            return batched_logits(self.model, sequences, requests, last_ns)
+        # Requests that are one chunk each share a pass; longer ones (prompts) take their own.
+        shared = [i for i, (s, r, n) in enumerate(zip(sequences, requests, last_ns)) if fixed_chunks.in_one_chunk(s, r, n)]
+        results: list[torch.Tensor | None] = [None] * len(sequences)
+        if len(shared) > 1:
+            together = fixed_chunks.shared_chunk_logits(self.model, [sequences[i] for i in shared],
+                                                        [requests[i] for i in shared], [last_ns[i] for i in shared])
+            for i, logits in zip(shared, together):
+                results[i] = logits
+        for i, (sequence, tokens, last_n) in enumerate(zip(sequences, requests, last_ns)):
+            if results[i] is None:
+                results[i] = ChunkedSequence.logits_for(sequence, tokens, last_n)
+        return results
 
     def release_tokenizer(self) -> None:
         self.tokenizer = None

@@ -100,4 +100,4 @@ def test_a_prefix_cache_resume_and_a_failover_rebuild_give_the_same_logits(tiny)
 def test_without_deterministic_sessions_share_passes(tiny):
     """The fast mode batches sessions (and so their answers may vary with the load in bfloat16)."""
     assert worker_engine(tiny, deterministic=False).max_batch_size > 1
-    assert worker_engine(tiny).max_batch_size == 1
+    assert worker_engine(tiny).max_batch_size > 1  # chunks share passes here: checked at load to round alike

@@ -62,7 +62,7 @@ def _rowwise_sdpa(module, query, key, value, attention_mask, **kwargs):
     padding would otherwise widen its key length, and so change its rounding). Passes that do not name them (the
     --no-deterministic engines, other code) get the plain function."""
     keys_from = kwargs.pop(ROW_KEYS_FROM, None)
-    if keys_from is None:
+    if keys_from is None or attention_mask is None:
         return _PLAIN_SDPA(module, query, key, value, attention_mask, **kwargs)
     rows = [_PLAIN_SDPA(module, query[row:row + 1].contiguous(), key[row:row + 1, :, first:].contiguous(),
                         value[row:row + 1, :, first:].contiguous(),

@@ -54,8 +54,8 @@ def add_fleet_arguments(p: argparse.ArgumentParser) -> None:
                    "auto = llamacpp for GGUF/catalog models on CPU unless --dtype is given")
     p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None,
                    help="locally started workers: answers independent of the concurrent load, the prefix cache and "
-                   "failover, so greedy and seeded answers repeat; --no-deterministic lets the transformers engine "
-                   "batch sessions (more tokens/s under load; in bfloat16 answers then vary with the load) "
+                   "failover, so greedy and seeded answers repeat; --no-deterministic: the transformers engine's plain "
+                   "batched passes (in bfloat16 answers then vary with the load) "
                    "(default: on where the engine has it; llamacpp has not)")
     p.add_argument("--draft-tokens", "--draft", type=int, default=None,
                    help="fixed draft length k; 0 = target-only decoding (default: adaptive)")

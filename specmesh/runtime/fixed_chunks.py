@@ -12,13 +12,20 @@ depended on the other requests in flight, on the draft length, on the prefix cac
 
 The fix, by construction rather than by kernel: a session's positions are cut into chunks of CHUNK_TOKENS from
 position 0, and every pass computes exactly one whole chunk [s, s + CHUNK_TOKENS): the tokens the session has there,
-then padding up to the chunk's end, over the session's cached keys/values of [0, s) alone (one session a pass), with
-an explicit causal mask. Position p is then always computed with the same query rows, key length and mask,
+then padding up to the chunk's end, over the session's cached keys/values of [0, s) alone, with an explicit causal
+mask. Position p is then always computed with the same query rows, key length and mask,
 whatever the split of the passes before it, so its logits and keys/values are bit-identical in a prefill, a decode
 step, a k-draft verification, a resume or a failover rebuild. Padding rows come after every real one: the causal
 mask keeps them out of the real rows, their keys/values are dropped after the pass. The price: a pass always computes
-a whole chunk (a decode step recomputes the chunk's earlier positions), a request that crosses a chunk boundary takes
-two passes, and sessions are never batched together. docs/engines.md#determinism has the measured cost.
+a whole chunk (a decode step recomputes the chunk's earlier positions), and a request that crosses a chunk boundary
+takes two passes. docs/engines.md#determinism has the measured cost.
+
+Sessions still share passes (shared_chunk_logits): each session's chunk is a row, and attention runs row by row over
+that session's own key columns (_rowwise_sdpa), so its attention has exactly the shapes of its own pass. What is
+shared are the row-wise layers (linear layers, norms, the MLP), whose rows are independent: a row's bits then depend
+only on whether the kernels give a row the same bits whatever the row count. That is measured, not assumed: at load,
+can_share_passes compares shared and own passes on the model itself, and where they differ (another CPU, cuBLAS's
+shape-dependent split-K on a GPU) every session takes passes of its own.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ longest prefix of its first request, so it computes only what that request adds.
 prefix do not depend on how it was split into passes (the k-token pass equals the one-token pass), so the logits
 after a resume equal a fresh prefill's.
 
-Deterministic mode (`deterministic=True`, the workers' default: `--deterministic`): every pass is one session's
-fixed-shape chunk (specmesh/runtime/fixed_chunks.py), so a position's logits and keys/values are the same bits
+Deterministic mode (`deterministic=True`, the workers' default: `--deterministic`): every pass computes fixed-shape
+chunks (specmesh/runtime/fixed_chunks.py), sessions' chunks sharing a pass only where that is checked to round alike, so a position's logits and keys/values are the same bits
 whatever other sessions run, however the sequence was split into passes, after a resume and after a failover
 rebuild, in every dtype. Off, sessions are batched into shared passes (faster under load), and in bfloat16 an
 answer then varies with the load.

@@ -57,11 +57,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser, default_model: str) -> 
     parser.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None,
                         help="answers independent of the load: a session's logits never depend on the other sessions "
                         "in flight, on how its tokens were split into passes, on a prefix-cache resume or on a "
-                        "failover, so greedy and seeded answers repeat (transformers: fixed-shape passes, one "
-                        "session a pass; ik: always). --no-deterministic lets the transformers engine batch sessions "
-                        "into shared passes: more tokens/s under load, but in bfloat16 (the CPU/GPU default of "
-                        "--dtype auto) answers then vary with the load (default: on; llamacpp has no such mode and "
-                        "runs without it)")
+                        "failover, so greedy and seeded answers repeat (transformers: every pass computes fixed "
+                        "16-token chunks; ik: always). --no-deterministic: the transformers engine's plain batched "
+                        "passes, and in bfloat16 (the GPU and AMX/AVX512-BF16 CPU default of --dtype auto) answers "
+                        "then vary with the load (default: on; llamacpp has no such mode and runs without it)")
     parser.add_argument("--linear-backend", choices=linear_backends.BACKENDS, default="auto",
                         help="CPU linear layers: onednn runs them with oneDNN's inner product, which makes a pass over a "
                         "few tokens (verifying k drafts, batched sessions) far cheaper than torch's default kernels; "

@@ -62,9 +62,10 @@ class ModelConfig:
     repack: bool = False  # ik engine: weights repacked at load (faster, not exact)
     prefix_cache: bool = True  # new sessions start from the cached keys/values of finished ones sharing their prefix
     # Answers independent of the load: a session's logits never depend on other sessions, on how its tokens were
-    # split into passes, on a prefix-cache resume or a failover (transformers: fixed-shape chunks, one session a
-    # pass; ik: always). Off, the transformers engine batches sessions (faster under load; in bfloat16 answers then
-    # vary with the load). None: on where the engine has the mode; the llamacpp engine has none (it refuses True).
+    # split into passes, on a prefix-cache resume or a failover (transformers: fixed-shape chunks, shared by sessions
+    # only where checked to round alike; ik: always). Off, the transformers engine runs plain batched passes, and in
+    # bfloat16 answers then vary with the load. None: on where the engine has the mode; llamacpp has none (it refuses
+    # True).
     deterministic: bool | None = None
 
     def __post_init__(self) -> None:

@@ -102,24 +102,41 @@ def _rowwise(model: torch.nn.Module) -> bool:
     return True
 
 
-def can_share_passes(model: torch.nn.Module) -> bool:
-    """Whether sessions' chunks may share a pass: sdpa attention (run row by row, _rowwise_sdpa), and linear layers
-    that give a row the same bits whatever the row count. The second is a property of the kernels, not guaranteed
-    (oneDNN and torch's CPU kernels have it on the machines measured; cuBLAS's split-K choice depends on the row
-    count), so it is checked here, on this model, with chunks of sessions of different lengths."""
-    if not _rowwise(model):
-        return False
-    vocab = model.config.vocab_size
-    histories = [[(31 * s + 7 * i + 3) % vocab for i in range(length)] for s, length in enumerate((5, 21, 40))]
+MAX_SHARED_SESSIONS = 8  # the most sessions a deterministic pass is checked for (and so may share)
 
-    def prefilled() -> list[ChunkedSequence]:
-        sequences = [ChunkedSequence(model) for _ in histories]
-        for sequence, history in zip(sequences, histories):
-            sequence.logits_for(history[:-2], 1)
-        return sequences
-    alone = [sequence.logits_for(h, 2) for sequence, h in zip(prefilled(), histories)]
-    together = shared_chunk_logits(model, prefilled(), histories, [2, 2, 2])
-    return all(torch.equal(a, b) for a, b in zip(alone, together))
+
+def sessions_per_shared_pass(model: torch.nn.Module, most: int) -> int:
+    """How many sessions' chunks may share a pass, up to `most` and MAX_SHARED_SESSIONS (1: none). It takes sdpa
+    attention (run row by row, _rowwise_sdpa) and linear layers that give a row the same bits whatever the row
+    count up to that many chunks. The second is a property of the kernels, not guaranteed: oneDNN's bf16 linears on
+    a Xeon with AMX keep a row's bits up to 32 rows (two chunks) and change kernels beyond, at the real models'
+    widths; cuBLAS picks split-K by shape. So it is checked here, on the model itself: shared passes of 2, 3, ...
+    sessions of different lengths against each session's own passes, up to the first count that differs."""
+    if min(most, MAX_SHARED_SESSIONS) < 2 or not _rowwise(model):
+        return 1
+    vocab = model.config.vocab_size
+    # One or two chunks each, of different lengths (so the shared pass pads their keys differently).
+    histories = [[(31 * s + 7 * i + 3) % vocab for i in range(3 + (s * 5) % 26)] for s in range(MAX_SHARED_SESSIONS)]
+    prefixes, alone = [], []
+
+    def copy(sequence: ChunkedSequence) -> ChunkedSequence:
+        twin = ChunkedSequence(model)
+        for index, layer in enumerate(sequence.cache.layers):
+            twin.cache.update(layer.keys.clone(), layer.values.clone(), index)
+        twin.cached_tokens = list(sequence.cached_tokens)
+        return twin
+    for sessions in range(2, min(most, MAX_SHARED_SESSIONS) + 1):
+        while len(alone) < sessions:
+            history = histories[len(alone)]
+            prefix = ChunkedSequence(model)
+            prefix.logits_for(history[:-1], 1)
+            prefixes.append(prefix)
+            alone.append(copy(prefix).logits_for(history, 1))
+        together = shared_chunk_logits(model, [copy(p) for p in prefixes[:sessions]], histories[:sessions],
+                                       [1] * sessions)
+        if not all(torch.equal(a, b) for a, b in zip(alone, together)):
+            return sessions - 1
+    return min(most, MAX_SHARED_SESSIONS)
 
 
 def in_one_chunk(sequence: CachedSequence, tokens: Sequence[int], last_n: int) -> bool:

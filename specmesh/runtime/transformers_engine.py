@@ -103,14 +103,14 @@ class TransformersEngine(PrefixCacheCounters):
         self.context_limit = getattr(loaded.model.config, "max_position_embeddings", None)
         self.deterministic = deterministic
         self._thread = ModelThread("transformers-forward")
-        # Deterministic: sessions share a pass only where that gives each the bits of its own pass (checked on this
-        # model and machine: fixed_chunks.can_share_passes); else one session a pass.
+        # Deterministic: sessions share a pass only as far as that gives each the bits of its own pass (checked on
+        # this model and machine: fixed_chunks.sessions_per_shared_pass); else one session a pass.
         if deterministic:
-            shared = self._thread.run(fixed_chunks.can_share_passes, loaded.model)
-            if not shared:
-                logging.getLogger(__name__).warning(
-                    "deterministic: one session a pass (sessions' chunks sharing a pass would round differently here)")
-            self.max_batch_size = max_batch_size if shared else 1
+            self.max_batch_size = self._thread.run(fixed_chunks.sessions_per_shared_pass, loaded.model, max_batch_size)
+            if self.max_batch_size < max_batch_size:
+                logging.getLogger(__name__).info(
+                    "deterministic: at most %d session(s) a pass (more would round differently here)",
+                    self.max_batch_size)
         else:
             self.max_batch_size = max_batch_size if can_batch(loaded.model) else 1
         self.weights_bytes = weights_bytes(loaded.model)

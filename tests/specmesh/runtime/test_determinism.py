@@ -101,3 +101,11 @@ def test_without_deterministic_sessions_share_passes(tiny):
     """The fast mode batches sessions (and so their answers may vary with the load in bfloat16)."""
     assert worker_engine(tiny, deterministic=False).max_batch_size > 1
     assert worker_engine(tiny).max_batch_size > 1  # chunks share passes here: checked at load to round alike
+
+
+def test_the_llamacpp_engine_refuses_deterministic(tmp_path):
+    from specmesh.runtime.engine import NO_DETERMINISTIC_LLAMACPP, load_engine
+
+    with pytest.raises(ValueError) as refused:
+        load_engine(str(tmp_path / "model.gguf"), engine="llamacpp", deterministic=True)
+    assert str(refused.value) == NO_DETERMINISTIC_LLAMACPP

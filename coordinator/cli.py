@@ -54,6 +54,11 @@ def add_fleet_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", choices=ENGINES, default="auto",
                    help="model runtime of locally started workers: llamacpp (GGUF, quantized), transformers (torch); "
                    "auto = llamacpp for GGUF/catalog models on CPU unless --dtype is given")
+    p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None,
+                   help="locally started workers: answers independent of the concurrent load, the prefix cache and "
+                   "failover, so greedy and seeded answers repeat; --no-deterministic: the transformers engine's plain "
+                   "batched passes (in bfloat16 answers then vary with the load) "
+                   "(default: on where the engine has it; llamacpp has not)")
     p.add_argument("--draft-tokens", "--draft", type=int, default=None,
                    help="fixed draft length k; 0 = target-only decoding (default: adaptive)")
     p.add_argument("--draft-policy", choices=POLICIES, default=DEFAULT_POLICY,
@@ -195,10 +200,13 @@ def connected(args: argparse.Namespace, progress: bool, while_loading: Callable[
     from coordinator.local_workers import LocalWorkerSpec, local_workers
     need_drafter = args.draft_tokens != 0
     specs = []
+    determinism = {None: (), True: ("--deterministic",), False: ("--no-deterministic",)}[args.deterministic]
     if args.verifier is None:
-        specs.append(LocalWorkerSpec("verifier", args.target_model, args.device, args.dtype, engine=args.engine))
+        specs.append(LocalWorkerSpec("verifier", args.target_model, args.device, args.dtype, engine=args.engine,
+                                     extra_args=determinism))
     if need_drafter and args.drafter is None:
-        specs.append(LocalWorkerSpec("drafter", args.draft_model, args.device, args.dtype, engine=args.engine))
+        specs.append(LocalWorkerSpec("drafter", args.draft_model, args.device, args.dtype, engine=args.engine,
+                                     extra_args=determinism))
     if need_drafter and local_suffix_drafter(args):  # model-free: reads the target's tokenizer only
         specs.append(LocalWorkerSpec("drafter", args.target_model, "cpu", "auto", extra_args=("--method", "suffix"),
                                      name=SUFFIX_DRAFTER))
@@ -349,6 +357,21 @@ def run_generation(args: argparse.Namespace, streamed: list[str]) -> int:
     return status
 
 
+def determinism_line(coordinator) -> str:
+    """Whether the same request always gets the same answer here, from what the workers report (Info)."""
+    varying = [f"the {role} ({info.engine}, {info.dtype})"
+               for role, info in (("verifier", coordinator.verifier_info), ("drafter", coordinator.drafter_info))
+               if info is not None and not info.deterministic]
+    if not varying:
+        return "deterministic: the same request gets the same answer whatever else runs (greedy, and seeded sampling)"
+    llamacpp = any(info is not None and info.engine == "llamacpp" and not info.deterministic
+                   for info in (coordinator.verifier_info, coordinator.drafter_info))
+    return (f"answers vary with the concurrent load: {' and '.join(varying)} run without --deterministic, so greedy "
+            "and seeded answers may differ between identical requests; start the workers with --deterministic for "
+            f"repeatable answers{' (llamacpp has no such mode: --engine ik or transformers)' if llamacpp else ''} "
+            "(docs/engines.md#determinism)")
+
+
 # How long `coordinator generate` waits, after its answer, for local workers to measure their costs (seconds of probe
 # calls on a quiet machine: a verify of up to 16 drafts and a 4-token proposal, 3 times each).
 COSTS_FOR_LATER_RUNS_S = 60.0
@@ -415,6 +438,7 @@ def serve(args: argparse.Namespace) -> int:
                              draft_tokens=args.draft_tokens, draft_policy=args.draft_policy,
                              pipeline=args.pipeline, admission=admission, stream_flush_s=args.stream_flush_ms / 1000)
             host, port = listener.getsockname()[:2]
+            print(f"coordinator: {determinism_line(coordinator)}", file=sys.stderr, flush=True)
             print(f"LISTENING http://{host}:{port}", flush=True)
             # SIGTERM drains first (coordinator/http_server.py); the timeout only bounds uvicorn's own wait after it.
             config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=5)

@@ -12,6 +12,10 @@ if TYPE_CHECKING:  # the coordinator reads ENGINES from here and must not pay fo
     import torch
 
 ENGINES = ("auto", "transformers", "llamacpp", "ik")
+NO_DETERMINISTIC_LLAMACPP = (
+    "the llamacpp engine has no deterministic mode (its passes round differently by shape and share one pool of "
+    "KV cells between sessions, so an answer can vary with the load): leave --deterministic out to run it anyway, or "
+    "use --engine ik (deterministic per session) or --engine transformers")
 T = TypeVar("T")
 
 
@@ -51,6 +55,7 @@ class ModelEngine(Protocol):
     max_batch_size: int  # sessions one forward pass can serve (1: no cross-session batching)
     weights_bytes: int  # memory of the weights as loaded
     linear_backend: str  # CPU linear layers, "onednn" or "torch" (specmesh/runtime/onednn.py); "" if no such choice
+    deterministic: bool  # a session's logits never depend on the load (other sessions, pass splits, resumes)
 
     def new_sequence(self) -> CachedTokens: ...
 
@@ -131,11 +136,17 @@ def as_engine(model: Any) -> ModelEngine:
 def load_engine(spec: str, engine: str = "auto", device: str = "auto", dtype: str = "auto",
                 linear_backend: str = "auto", threads: int | None = None, max_sessions: int = 64,
                 context_length: int | None = None, progress: bool = True, repack: bool = False,
-                prefix_cache: bool = True) -> ModelEngine:
+                prefix_cache: bool = True, deterministic: bool | None = None) -> ModelEngine:
     """Load `spec` on the chosen engine. `context_length` caps a session's tokens (llama.cpp sizes its KV cache by
     it); `max_sessions` is how many sessions the engine must be able to hold at once; `repack` asks the ik engine for
-    run-time repacked weights (faster, not exact), `prefix_cache` whether it resumes sessions from cached prefixes."""
+    run-time repacked weights (faster, not exact), `prefix_cache` whether it resumes sessions from cached prefixes,
+    `deterministic` whether answers must not depend on the load (docs/engines.md#determinism): None is on where the
+    engine has the mode (transformers; ik always is) and off on llamacpp, which has none (True: ValueError)."""
     chosen = choose_engine(engine, spec, device, dtype)
+    if deterministic and chosen == "llamacpp":
+        raise ValueError(NO_DETERMINISTIC_LLAMACPP)
+    if deterministic is None:
+        deterministic = chosen != "llamacpp"
     if engine == "auto":
         import logging
 
@@ -155,4 +166,5 @@ def load_engine(spec: str, engine: str = "auto", device: str = "auto", dtype: st
     from specmesh.runtime.transformers_engine import TransformersEngine
 
     return TransformersEngine(load_model(spec, device=device, dtype=dtype, linear_backend=linear_backend,
-                                         threads=threads, progress=progress), prefix_cache=prefix_cache)
+                                         threads=threads, progress=progress), prefix_cache=prefix_cache,
+                              deterministic=deterministic)

@@ -107,6 +107,7 @@ class IkSequence:
 
 class IkLlamaEngine:
     engine = "ik"
+    deterministic = True  # one pass per session, and a k-token pass gives the bits of k one-token passes
     linear_backend = ""  # ik_llama.cpp's own kernels
 
     def __init__(self, spec: str, path: Path, tokenizer, fingerprint: str, *, device: str = "cpu",

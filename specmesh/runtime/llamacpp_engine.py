@@ -159,6 +159,7 @@ class LlamaSequence:
 
 class LlamaCppEngine(PrefixCacheCounters):
     engine = "llamacpp"
+    deterministic = False  # no such mode: passes round by shape, and sessions share one pool of cells
     linear_backend = ""  # llama.cpp's own kernels: no choice of linear layers to make
 
     def __init__(self, spec: str, path: Path, tokenizer, fingerprint: str, *, device: str = "cpu",

@@ -23,7 +23,7 @@ from specmesh.ops.logs import configure_logging
 from specmesh.ops.metrics import serve_metrics
 from specmesh.ops.preflight import check_port, check_tls_files, with_fix
 from specmesh.runtime import model_thread
-from specmesh.runtime.engine import ENGINES
+from specmesh.runtime.engine import ENGINES, NO_DETERMINISTIC_LLAMACPP, choose_engine
 from specmesh.runtime.huge_pages import add_huge_pages_argument, huge_page_bytes
 from specmesh.runtime.model_spec import check_model
 from specmesh.wire.printable import printable
@@ -54,6 +54,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser, default_model: str) -> 
                         help="a new session starts from the cached keys/values of a finished one that shares its "
                         "prefix (turn n of a conversation prefills only what it added); --no-prefix-cache for "
                         "benchmarks of decoding alone")
+    parser.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None,
+                        help="answers independent of the load: a session's logits never depend on the other sessions "
+                        "in flight, on how its tokens were split into passes, on a prefix-cache resume or on a "
+                        "failover, so greedy and seeded answers repeat (transformers: every pass computes fixed "
+                        "16-token chunks; ik: always). --no-deterministic: the transformers engine's plain batched "
+                        "passes, and in bfloat16 (the GPU and AMX/AVX512-BF16 CPU default of --dtype auto) answers "
+                        "then vary with the load (default: on; llamacpp has no such mode and runs without it)")
     parser.add_argument("--linear-backend", choices=linear_backends.BACKENDS, default="auto",
                         help="CPU linear layers: onednn runs them with oneDNN's inner product, which makes a pass over a "
                         "few tokens (verifying k drafts, batched sessions) far cheaper than torch's default kernels; "
@@ -138,10 +145,12 @@ def serve_main(command: RoleCommand, argv: list[str] | None = None) -> int:
                               max_draft_tokens=args.max_draft_tokens, max_context_length=args.max_context_length)
         model = ModelConfig(model=args.model, engine=args.engine, device=args.device, dtype=args.dtype,
                             linear_backend=args.linear_backend, threads=args.threads, repack=args.repack,
-                            prefix_cache=args.prefix_cache)
+                            prefix_cache=args.prefix_cache, deterministic=args.deterministic)
         faults = FaultInjection(inject_latency_s=args.inject_latency)
         # What the flags get wrong, in one line with the fix, before the port is bound and the model loads.
         check_model(args.model, "--model", args.engine, args.device, args.dtype)
+        if args.deterministic and choose_engine(args.engine, args.model, args.device, args.dtype) == "llamacpp":
+            raise ValueError(NO_DETERMINISTIC_LLAMACPP)
         check_port(args.host, args.port, "--port")
         check_port(args.metrics_host, args.metrics_port, "--metrics-port")
         warning = exposure_warning(args.host, tls, token)

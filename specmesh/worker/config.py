@@ -61,6 +61,12 @@ class ModelConfig:
     threads: int | None = None
     repack: bool = False  # ik engine: weights repacked at load (faster, not exact)
     prefix_cache: bool = True  # new sessions start from the cached keys/values of finished ones sharing their prefix
+    # Answers independent of the load: a session's logits never depend on other sessions, on how its tokens were
+    # split into passes, on a prefix-cache resume or a failover (transformers: fixed-shape chunks, shared by sessions
+    # only where checked to round alike; ik: always). Off, the transformers engine runs plain batched passes, and in
+    # bfloat16 answers then vary with the load. None: on where the engine has the mode; llamacpp has none (it refuses
+    # True).
+    deterministic: bool | None = None
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -75,13 +81,32 @@ class ModelConfig:
         """The model on its engine, sized for the server's sessions and context (llama.cpp allocates its KV cells
         for them up front); or `preloaded`, a model already in memory (tests, embedding), on the transformers engine."""
         if preloaded is not None:
-            return as_engine(preloaded)
+            from specmesh.runtime.transformers_engine import TransformersEngine
+
+            engine = TransformersEngine(preloaded, prefix_cache=self.prefix_cache,
+                                        deterministic=self.deterministic is not False)
+            log_determinism(engine)
+            return engine
         engine = load_engine(self.model, engine=self.engine, device=self.device, dtype=self.dtype,
                              linear_backend=self.linear_backend, threads=self.threads,
                              max_sessions=server.limits.max_sessions, context_length=server.max_context_length,
-                             repack=self.repack, prefix_cache=self.prefix_cache)
+                             repack=self.repack, prefix_cache=self.prefix_cache, deterministic=self.deterministic)
         engine.release_tokenizer()  # the worker's own: nothing but the load needed it (a preloaded one may be shared)
+        log_determinism(engine)
         return engine
+
+
+def log_determinism(engine: ModelEngine) -> None:
+    """One line at load saying whether answers can vary with the load (docs/engines.md#determinism)."""
+    import logging
+
+    logger = logging.getLogger("specmesh.worker")
+    if getattr(engine, "deterministic", False):
+        logger.info("deterministic: on (answers do not depend on the other requests, the prefix cache or failover)")
+    else:
+        logger.warning("deterministic: off on the %s engine, %s: greedy and seeded answers may vary with the "
+                       "concurrent load%s", engine.engine, engine.dtype,
+                       "" if engine.engine == "llamacpp" else " (--deterministic makes them repeat)")
 
 
 @dataclass(frozen=True)

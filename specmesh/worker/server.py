@@ -165,6 +165,7 @@ class WorkerServicerBase:
             max_draft_tokens=worker.config.max_draft_tokens, max_context_length=worker.max_context_length,
             role=worker.role.name, active_sessions=len(engine.sessions), engine=model.engine,
             resident_bytes=resident_bytes(), weights_bytes=model.weights_bytes, **prefix_cache_fields(engine),
+            deterministic=model.deterministic,
             **worker.role.info_fields(engine))
 
     @rpc

@@ -197,7 +197,8 @@ def test_concurrent_generations_over_grpc_equal_unbatched_and_reference(tiny_tar
 
     def generate_all(batch_size: int) -> list[list[int]]:
         # A long wait window: on a busy machine a thread may be descheduled, and that must not prevent sharing.
-        batching = dict(max_batch_size=batch_size, max_batch_wait_s=0.5 if batch_size > 1 else 0.0)
+        batching = dict(max_batch_size=batch_size, max_batch_wait_s=0.5 if batch_size > 1 else 0.0,
+                        deterministic=False)  # cross-session batching: the mode that shares passes
         with run_verifier(tiny_target, port=0, **batching) as verifier, \
                 run_drafter(tiny_unrelated_draft, port=0, **batching) as drafter, \
                 Coordinator(verifier=verifier.address, drafter=drafter.address, tokenizer=tiny_target.tokenizer) as c, \

@@ -169,7 +169,8 @@ def test_concurrent_generations_over_grpc_equal_reference_greedy(tiny_target, ti
                ("def fibonacci(n):", "Once upon a time", "SELECT * FROM", "import numpy as np\n", "hello world")]
     expected = [reference_greedy(tiny_target.model, p, 24, set(tiny_target.eos_token_ids)) for p in prompts]
     before = batched_passes_of_at_least(2)
-    with run_verifier(tiny_target, port=0) as verifier, run_drafter(tiny_unrelated_draft, port=0) as drafter, \
+    with run_verifier(tiny_target, port=0, deterministic=False) as verifier, \
+            run_drafter(tiny_unrelated_draft, port=0, deterministic=False) as drafter, \
             Coordinator(verifier=verifier.address, drafter=drafter.address, tokenizer=tiny_target.tokenizer) as c, \
             busy_model(verifier.engine), ThreadPoolExecutor(len(prompts)) as pool:
         results = list(pool.map(lambda p: c.generate(list(p), GenerationOptions(max_new_tokens=24)), prompts))
@@ -223,7 +224,7 @@ def test_concurrent_decode_streams_share_every_pass(tiny_target):
     their answers: 72 steps of three streams in 35 passes instead of 25)."""
     prompts = [tiny_target.tokenizer(text)["input_ids"] for text in ("def fibonacci(n):", "Once upon a", "SELECT")]
     expected = [reference_greedy(tiny_target.model, p, 16, set(tiny_target.eos_token_ids)) for p in prompts]
-    with run_verifier(tiny_target, port=0, max_batch_wait_s=0.5) as verifier, \
+    with run_verifier(tiny_target, port=0, max_batch_wait_s=0.5, deterministic=False) as verifier, \
             Coordinator(verifier=verifier.address, tokenizer=tiny_target.tokenizer) as coordinator, \
             ThreadPoolExecutor(len(prompts)) as pool:
         forward = verifier.engine.loaded.batched_logits

@@ -24,8 +24,9 @@ def test_batching_config_refuses_what_cannot_work(options, message):
 
 
 def test_role_builds_a_verify_engine_with_its_settings_and_reports_measured_costs(tiny_target):
-    role = VerifierRole(VerifierConfig(ModelConfig(tiny_target.name), BatchingConfig(max_batch_size=3,
-                                                                                     max_batch_wait_s=0.5)),
+    # Batching needs the non-deterministic mode (a deterministic engine runs one session a pass).
+    role = VerifierRole(VerifierConfig(ModelConfig(tiny_target.name, deterministic=False),
+                                       BatchingConfig(max_batch_size=3, max_batch_wait_s=0.5)),
                         preloaded=tiny_target)
     engine = role.build_engine(ServerConfig())
     assert (engine.max_batch_size, engine.max_batch_wait_s) == (3, 0.5)

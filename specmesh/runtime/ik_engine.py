@@ -33,8 +33,8 @@ Run-time repack (the default): the weights are repacked at load into ik_llama.cp
 kernels take about half the time of the plain ones on AVX2 and AVX-512 alike. With repack, every pass of 2 to 31
 rows gives bit-identical logits whatever its size and alignment (measured on the 1.5B target: passes of 2, 3, 4, 5, 8,
 16, 17, 31, mixed sizes, against 2-row passes: max |diff| 0.0; that model held up to a 409-token prompt in one pass,
-SmolLM2 Q4_1 did not at 50, so passes stay within 31 as without repack), and a one-row pass differs (0.67). So an exact engine never runs a one-row pass: a one-token step recomputes the
-previous token's cell with it (2 rows: the cell comes out with the same bits), a one-token sequence adds a padding row
+SmolLM2 Q4_1 did not at 50, so passes stay within 31 as without repack), and a one-row pass differs (0.67). So an
+exact engine never runs a one-row pass: a one-token step recomputes the previous token's cell with it (2 rows: the cell comes out with the same bits), a one-token sequence adds a padding row
 whose cell is removed after, a prefill is split into near-equal passes of at least 2 rows, and every pass asks for
 the logits of at least its last 2 rows (the output layer sees the rows that ask; one row would take the one-row kernel).
 A drafter need not be exact (`exact=False`): it keeps one-row passes, the fastest.
@@ -76,7 +76,7 @@ _process_lock = threading.Lock()
 # prefilled in passes of 31: 1.6x the time of one pass (256 tokens of the 1.5B: 3.76 s against 2.37 s), and a prefill,
 # a resync after failover and a verify all give the logits one-token decoding gives.
 MAX_PASS_TOKENS = 31
-# With repacked weights no pass of 2 rows or more differs from another (see the module docstring), so prompts go in
+# With repacked weights no pass of 2 to 31 rows differs from another (see the module docstring), so prompts go in
 # passes of up to this many. 31, as without repack: on SmolLM2 Q4_1 a 50-row pass differed from 2-row passes (the
 # 1.5B target held to 409 rows; the limit is per kernel, so the lower one stands).
 MAX_REPACKED_PASS_TOKENS = 31

@@ -31,12 +31,13 @@ Flash attention stays off: with it on, ik_llama.cpp aborts the process on some m
 
 Run-time repack (the default): the weights are repacked at load into ik_llama.cpp's interleaved row layouts, whose
 kernels take about half the time of the plain ones on AVX2 and AVX-512 alike. With repack, every pass of 2 to 31
-rows gives bit-identical logits whatever its size and alignment (measured on the 1.5B target: passes of 2, 3, 4, 5, 8,
-16, 17, 31, mixed sizes, against 2-row passes: max |diff| 0.0; that model held up to a 409-token prompt in one pass,
-SmolLM2 Q4_1 did not at 50, so passes stay within 31 as without repack), and a one-row pass differs (0.67). So an
-exact engine never runs a one-row pass: a one-token step recomputes the previous token's cell with it (2 rows: the
-cell comes out with the same bits), a one-token sequence adds a padding row whose cell is removed after, a prefill
-is split into near-equal passes of at least 2 rows, and every pass asks for the logits of at least its last 2 rows (the output layer sees the rows that ask; one row would take the one-row kernel).
+rows gives bit-identical logits whatever its size and alignment (measured on the 1.5B target: passes of 2, 3, 4, 5,
+8, 16, 17, 31, mixed sizes, against 2-row passes: max |diff| 0.0; that model held up to a 409-token prompt in one
+pass, SmolLM2 Q4_1 did not at 50, so passes stay within 31 as without repack), and a one-row pass differs (0.67). So
+an exact engine never runs a one-row pass: a one-token step recomputes the previous token's cell with it (2 rows:
+the cell comes out with the same bits), a one-token sequence adds a padding row whose cell is removed after, a
+prefill is split into near-equal passes of at least 2 rows, and every pass asks for the logits of at least its last
+2 rows (the output layer sees the rows that ask; one row would take the one-row kernel).
 A drafter need not be exact (`exact=False`): it keeps one-row passes, the fastest.
 """
 

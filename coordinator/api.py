@@ -245,6 +245,10 @@ class Coordinator:
         # Which model runtime each side runs (transformers, llamacpp; "" for a model-free drafter), for the stats, and
         # whether the drafter's token ids are the target's ("shared") or translated through text ("translated").
         self.engines = {"verifier_engine": self.verifier_info.engine,
+                        **({"verifier_engine_build": self.verifier_info.engine_build}
+                           if self.verifier_info.engine_build else {}),
+                        **({"drafter_engine_build": self.drafter_info.engine_build}
+                           if self.drafter_info is not None and self.drafter_info.engine_build else {}),
                         **({"drafter_engine": self.drafter_info.engine,
                             "draft_tokenizer": "shared" if self.translator is None else "translated"}
                            if self.drafter_info is not None else {}),

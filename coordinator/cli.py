@@ -166,7 +166,11 @@ def print_summary(result) -> None:
 
 def _engines(stats: dict) -> str:
     verifier, drafter = stats.get("verifier_engine") or "?", stats.get("drafter_engine")
-    return verifier if drafter in (None, verifier) else f"verifier {verifier}, drafter {drafter or 'model-free'}"
+    verifier_build, drafter_build = stats.get("verifier_engine_build"), stats.get("drafter_engine_build")
+    if drafter in (None, verifier) and drafter_build in (None, verifier_build):
+        return verifier + (f" ({verifier_build})" if verifier_build else "")
+    return (f"verifier {verifier}" + (f" ({verifier_build})" if verifier_build else "")
+            + f", drafter {drafter or 'model-free'}" + (f" ({drafter_build})" if drafter_build else ""))
 
 
 def check_arguments(args: argparse.Namespace) -> None:

@@ -50,7 +50,8 @@ class DrafterServicer(WorkerServicerBase, pb_grpc.DrafterServicer):
 
 def model_proposer(config: DrafterConfig, server: ServerConfig, preloaded: LoadedModel | None) -> Proposer:
     """The draft model config.model, on a KV cache per session, with concurrent sessions' draft steps batched."""
-    return DraftEngine(config.model.load(server, preloaded), server.limits, config.batching)
+    # exact=False: drafts are verified, so the drafter may take the fastest passes whatever their rounding.
+    return DraftEngine(config.model.load(server, preloaded, exact=False), server.limits, config.batching)
 
 
 def weightless_description(config: DrafterConfig, preloaded: LoadedModel | None) -> ModelDescription:

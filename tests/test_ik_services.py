@@ -58,6 +58,7 @@ def test_speculative_greedy_output_equals_target_only_through_the_cli(pair):
             out = cli(pair, prompt, *args)
             assert out["token_ids"] == reference, args
     assert out["stats"]["verifier_engine"] == out["stats"]["drafter_engine"] == "ik"
+    assert out["stats"]["verifier_engine_build"].endswith("repack on")  # what the summary names
     assert out["stats"]["acceptance_rate"] > 0.5  # self-drafting, k = 5
 
 
@@ -69,6 +70,7 @@ def test_info_names_the_engine(pair):
         finally:
             remote.close()
         assert info.engine == "ik" and info.dtype == "Q4_1" and info.max_context_length == 2048
+        assert info.engine_build.startswith("ik-llama-cpp-python ") and info.engine_build.endswith("repack on")
 
 
 def test_concurrent_sessions_equal_their_runs_alone(pair):

@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch
 
 from coordinator.drafting.policies import DraftLength
 from coordinator.loop import LoopConfig, speculative_decode
@@ -63,6 +64,32 @@ def test_speculative_greedy_equals_one_token_decoding_on_every_committed_prompt(
         k, pipeline = 1 + i % 8, (i // 8) % 2 == 1 if i < 16 else i % 2 == 0
         assert decode(target, draft, prompt, k, pipeline) == decode(target, draft, prompt, 0), \
             f"{item['id']}: k={k}, pipeline={pipeline}"
+
+
+def test_with_repack_one_row_passes_differ_so_only_a_drafter_takes_them(pair):
+    """Why the exact engine never runs a one-row pass: with repacked weights (the default) a one-row pass rounds
+    differently from a multi-row one. A drafter's engine (exact=False) takes them anyway (its drafts are verified);
+    the exact engine's steps equal its multi-row passes."""
+    from specmesh.runtime.ik_engine import IkLlamaEngine
+
+    _, exact = pair
+    prompt = chat_ids(exact, PROMPTS[0]["prompt"])
+    tokens = prompt + list(range(2000, 2016))
+
+    def stepped(engine):
+        sequence = engine.new_sequence()
+        sequence.logits_for(tokens[:len(prompt)], 1)
+        return torch.cat([sequence.logits_for(tokens[:i + 1], 1) for i in range(len(prompt), len(tokens))])
+
+    assert exact.repack and exact.min_pass_rows == 2
+    assert torch.equal(exact.new_sequence().logits_for(tokens, 16), stepped(exact))
+    inexact = IkLlamaEngine.load(DEFAULT_DRAFT_MODEL, context_length=2048, max_sessions=2, progress=False,
+                                 exact=False)
+    try:
+        assert inexact.min_pass_rows == 1
+        assert not torch.equal(inexact.new_sequence().logits_for(tokens, 16), stepped(inexact))
+    finally:
+        inexact.close()
 
 
 def test_many_concurrent_sessions_of_mixed_lengths_never_crash(pair):

@@ -119,6 +119,7 @@ def ik_runner(args, modes: list[Mode], prompts: list[dict], prompt_ids: dict,
 
         info = {"ik": {"package": "ik-llama-cpp-python", "version": _version(), "gguf": str(path), "n_ctx": n_ctx,
                        "threads": threads, "flash_attn": False, "system_info": ik_binding.system_info(),
+                       "build": ik_binding.build_description(repack=False),  # the loop as a C API user writes it
                        "verify_curve": curve}}
         yield Runner(info, run)
     finally:

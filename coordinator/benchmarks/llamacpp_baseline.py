@@ -78,13 +78,34 @@ def llamacpp_runner(args, modes: list[Mode], prompts: list[dict], prompt_ids: di
 
         info = {"llamacpp": {"version": getattr(llama_cpp, "__version__", None), "gguf": str(path), "n_ctx": n_ctx,
                              "threads": threads, "flash_attn": args.llama_flash_attn == "on",
-                             "system_info": system_info,
+                             "system_info": system_info, "build": build_flags(llama_cpp),
                              "prompt_lookup": {"num_pred_tokens": args.hf_prompt_lookup_tokens,
                                                "max_ngram_size": args.ngram_max}
                              if any(m.drafter == "ngram" for m in llama_modes) else None}}
         yield Runner(info, run)
         generators.clear()
     gc.collect()
+
+
+# The ggml build options that decide which kernels a llama-cpp-python build runs (pip builds it from source with the
+# flags of CMAKE_ARGS; GGML_NATIVE=ON compiles for the CPU it was built on).
+BUILD_OPTIONS = ("GGML_NATIVE", "GGML_AVX2", "GGML_AVX512", "GGML_AVX512_VNNI", "GGML_AVX512_BF16", "GGML_AMX_INT8",
+                 "GGML_CPU_REPACK", "GGML_LLAMAFILE", "GGML_OPENMP")
+
+
+def build_flags(llama_cpp_module) -> dict[str, str] | None:
+    """The ggml options llama-cpp-python was built with, from the ggml-config.cmake its install ships beside the
+    package (None where it has none)."""
+    import re
+    from pathlib import Path
+
+    config = Path(llama_cpp_module.__file__).resolve().parents[1] / "lib" / "cmake" / "ggml" / "ggml-config.cmake"
+    try:
+        text = config.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    found = dict(re.findall(r'set\((GGML_[A-Z0-9_]+) "([^"]*)"\)', text))
+    return {name: found[name] for name in BUILD_OPTIONS if name in found} or None
 
 
 def counted_generator(llm, eos: set[int]):

@@ -125,6 +125,10 @@ def header_notes(report: dict) -> list[str]:
                 ran += f" ({info['draft_dtype']})"
         lines.append(f"- engines: {ran}" + (f" (asked: --target-engine {asked['target']}, --draft-engine "
                                             f"{asked['draft']})" if asked else "") + ".")
+        builds = [f"{role} {info[key]}" for role, key in (("verifier", "verifier_engine_build"),
+                                                           ("drafter", "drafter_engine_build")) if info.get(key)]
+        if builds:
+            lines.append(f"- engine builds: {'; '.join(builds)}.")
         if info.get("draft_tokenizer") == "translated":
             lines.append("- the draft model's tokenizer is not the target's: its drafts are translated through text "
                          "(coordinator/translation.py).")
@@ -164,15 +168,20 @@ def header_notes(report: dict) -> list[str]:
     llama = info.get("llamacpp")
     if llama:
         lookup = llama.get("prompt_lookup")
-        lines.append(f"- llama.cpp baselines: llama-cpp-python {llama.get('version')}, {llama.get('threads')} "
+        build = llama.get("build")
+        lines.append(f"- llama.cpp baselines: llama-cpp-python {llama.get('version')}"
+                     + (f" (built with {' '.join(f'{k}={v}' for k, v in build.items())}; extra CPU buffer types "
+                        "off where AMX is)" if build else "")
+                     + f", {llama.get('threads')} "
                      f"threads, flash attention {'on' if llama.get('flash_attn') else 'off'}, "
                      f"{Path(llama.get('gguf') or '').name}"
                      + (f"; llama-lookup: num_pred_tokens {lookup['num_pred_tokens']}, max_ngram_size "
                         f"{lookup['max_ngram_size']}" if lookup else "") + ".")
     ik = info.get("ik")
     if ik:
-        lines.append(f"- ik_llama.cpp baseline: {ik.get('package')} {ik.get('version')}, {ik.get('threads')} threads, "
-                     f"flash attention off, {Path(ik.get('gguf') or '').name}; its own one-token C-API loop.")
+        lines.append(f"- ik_llama.cpp baseline: {ik.get('build') or ik.get('package') + ' ' + str(ik.get('version'))}, "
+                     f"{ik.get('threads')} threads, flash attention off, {Path(ik.get('gguf') or '').name}; its own "
+                     "one-token C-API loop.")
     curves = {name: curve for name, curve in (("ik_llama.cpp", (ik or {}).get("verify_curve")),
                                               ("verifier (Info.verify_costs)", info.get("verify_curve"))) if curve}
     for name, curve in curves.items():

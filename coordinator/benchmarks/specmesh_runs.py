@@ -97,6 +97,10 @@ def specmesh_runner(args, modes: list[Mode], prompts: list[dict]) -> Iterator[Ru
                 "verifier_engine": getattr(base.verifier_info, "engine", None) or None,
                 "drafter_engine": (getattr(coordinators["model"].drafter_info, "engine", None) or None)
                 if need_model else None,
+                # Which build each runs and how (ik: package, vector extensions, repack), "" / None: unsaid.
+                "verifier_engine_build": getattr(base.verifier_info, "engine_build", None) or None,
+                "drafter_engine_build": (getattr(coordinators["model"].drafter_info, "engine_build", None) or None)
+                if need_model else None,
                 "draft_dtype": coordinators["model"].drafter_info.dtype if need_model else None,
                 # "shared" (the target's token ids) or "translated" (another tokenizer, drafts through text)
                 "draft_tokenizer": coordinators["model"].engines.get("draft_tokenizer") if need_model else None,

@@ -135,13 +135,14 @@ def as_engine(model: Any) -> ModelEngine:
 
 def load_engine(spec: str, engine: str = "auto", device: str = "auto", dtype: str = "auto",
                 linear_backend: str = "auto", threads: int | None = None, max_sessions: int = 64,
-                context_length: int | None = None, progress: bool = True, repack: bool = False,
-                prefix_cache: bool = True, deterministic: bool | None = None) -> ModelEngine:
+                context_length: int | None = None, progress: bool = True, repack: bool = True,
+                prefix_cache: bool = True, deterministic: bool | None = None, exact: bool = True) -> ModelEngine:
     """Load `spec` on the chosen engine. `context_length` caps a session's tokens (llama.cpp sizes its KV cache by
     it); `max_sessions` is how many sessions the engine must be able to hold at once; `repack` asks the ik engine for
-    run-time repacked weights (faster, not exact), `prefix_cache` whether it resumes sessions from cached prefixes,
+    run-time repacked weights (about 2x faster), `prefix_cache` whether it resumes sessions from cached prefixes,
     `deterministic` whether answers must not depend on the load (docs/engines.md#determinism): None is on where the
-    engine has the mode (transformers; ik always is) and off on llamacpp, which has none (True: ValueError)."""
+    engine has the mode (transformers; ik always is) and off on llamacpp, which has none (True: ValueError);
+    `exact=False` (drafters) lets the ik engine run one-row passes, which round differently from its others."""
     chosen = choose_engine(engine, spec, device, dtype)
     if deterministic and chosen == "llamacpp":
         raise ValueError(NO_DETERMINISTIC_LLAMACPP)
@@ -156,7 +157,7 @@ def load_engine(spec: str, engine: str = "auto", device: str = "auto", dtype: st
 
         return IkLlamaEngine.load(spec, device=device, dtype=dtype, threads=threads, max_sessions=max_sessions,
                                   context_length=context_length, progress=progress, repack=repack,
-                                  prefix_cache=prefix_cache)
+                                  prefix_cache=prefix_cache, exact=exact)
     if chosen == "llamacpp":
         from specmesh.runtime.llamacpp_engine import LlamaCppEngine
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import re
 import threading
 from types import SimpleNamespace
 
@@ -100,3 +101,23 @@ def system_info() -> str | None:
         return bind().print_system_info().decode(errors="replace").strip()
     except (ImportError, OSError):
         return None
+
+
+def build_features(info: str | None) -> list[str]:
+    """The x86 vector extensions a build was compiled with, from llama_print_system_info ("AVX2 = 1 | ...")."""
+    return [name.lower() for name, on in re.findall(r"(AVX[A-Z0-9_]*|AMX[A-Z0-9_]*|FMA|F16C) = (\d+)", info or "")
+            if on != "0"]
+
+
+def build_description(repack: bool) -> str:
+    """What runs, for Info, logs and reports: the package and its version, the widest vector extension its build
+    uses (the PyPI wheel: avx2, whatever the CPU has), and whether the weights are repacked at load."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        package = f"ik-llama-cpp-python {version('ik-llama-cpp-python')}"
+    except PackageNotFoundError:
+        package = "ik_llama.cpp"
+    features = build_features(system_info())
+    widest = next((f for f in ("avx512", "avx2", "avx") if f in features), None)
+    return f"{package} ({widest or 'no avx'} build), repack {'on' if repack else 'off'}"

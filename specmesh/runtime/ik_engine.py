@@ -28,6 +28,17 @@ changed that.
 
 Flash attention stays off: with it on, ik_llama.cpp aborts the process on some multi-sequence prefills
 (`iqk_fa_templates.h: GGML_ASSERT(S > 0)`) and moves a session's logits when another session shares its batch.
+
+Run-time repack (the default): the weights are repacked at load into ik_llama.cpp's interleaved row layouts, whose
+kernels take about half the time of the plain ones on AVX2 and AVX-512 alike. With repack, every pass of 2 to 31
+rows gives bit-identical logits whatever its size and alignment (measured on the 1.5B target: passes of 2, 3, 4, 5,
+8, 16, 17, 31, mixed sizes, against 2-row passes: max |diff| 0.0; that model held up to a 409-token prompt in one
+pass, SmolLM2 Q4_1 did not at 50, so passes stay within 31 as without repack), and a one-row pass differs (0.67). So
+an exact engine never runs a one-row pass: a one-token step recomputes the previous token's cell with it (2 rows:
+the cell comes out with the same bits), a one-token sequence adds a padding row whose cell is removed after, a
+prefill is split into near-equal passes of at least 2 rows, and every pass asks for the logits of at least its last
+2 rows (the output layer sees the rows that ask; one row would take the one-row kernel).
+A drafter need not be exact (`exact=False`): it keeps one-row passes, the fastest.
 """
 
 from __future__ import annotations
@@ -66,6 +77,10 @@ _process_lock = threading.Lock()
 # prefilled in passes of 31: 1.6x the time of one pass (256 tokens of the 1.5B: 3.76 s against 2.37 s), and a prefill,
 # a resync after failover and a verify all give the logits one-token decoding gives.
 MAX_PASS_TOKENS = 31
+# With repacked weights no pass of 2 to 31 rows differs from another (see the module docstring), so prompts go in
+# passes of up to this many. 31, as without repack: on SmolLM2 Q4_1 a 50-row pass differed from 2-row passes (the
+# 1.5B target held to 409 rows; the limit is per kernel, so the lower one stands).
+MAX_REPACKED_PASS_TOKENS = 31
 
 
 SEQ_ID = 0  # a context holds one session, always this sequence id
@@ -112,8 +127,8 @@ class IkLlamaEngine:
 
     def __init__(self, spec: str, path: Path, tokenizer, fingerprint: str, *, device: str = "cpu",
                  threads: int | None = None, max_sessions: int = 64, context_length: int | None = None,
-                 kv_budget_cells: int = DEFAULT_KV_BUDGET_CELLS, repack: bool = False,
-                 prefix_cache: bool = True) -> None:
+                 kv_budget_cells: int = DEFAULT_KV_BUDGET_CELLS, repack: bool = True,
+                 prefix_cache: bool = True, exact: bool = True) -> None:
         lib = ik_binding.bind()
         self._lib, api = lib, lib.api
         if device != "cpu" and not lib.supports_gpu_offload():
@@ -123,7 +138,7 @@ class IkLlamaEngine:
         self._thread = ModelThread("ik-forward")
         model_params = api.llama_model_default_params()
         model_params.n_gpu_layers = 0 if device == "cpu" else 999
-        model_params.repack_tensors = repack  # faster, not exact: opt-in only
+        model_params.repack_tensors = repack  # about 2x faster; exact as long as no pass has one row (docstring)
         model_params.use_mmap = False
         self._model = api.llama_model_load_from_file(str(path).encode(), model_params)
         if not self._model:
@@ -140,7 +155,13 @@ class IkLlamaEngine:
         self.prefix_cache = prefix_cache  # off: a session never starts from another's cells (benchmarks of decoding)
         self.prefix_hits = 0  # sessions that started from an idle context's cached prefix
         self.prefix_reused_tokens = 0  # tokens those sessions did not have to compute
-        self._batch = api.llama_batch_init(MAX_PASS_TOKENS, 0, 1)
+        self.repack = repack
+        self.exact = exact
+        # Rows of a pass, at least: with repack one row takes another kernel than two or more (module docstring).
+        self.min_pass_rows = 2 if repack and exact else 1
+        self.max_pass_tokens = MAX_REPACKED_PASS_TOKENS if repack else MAX_PASS_TOKENS
+        self._batch_rows = self.max_pass_tokens + (self.min_pass_rows - 1)  # room for a padding row
+        self._batch = api.llama_batch_init(self._batch_rows, 0, 1)
         self._closed = False
 
         self.name = spec
@@ -156,7 +177,7 @@ class IkLlamaEngine:
         self.max_batch_size = 1  # one pass per session (see the module docstring): nothing to batch
         self.kv_bytes_per_token = ik_binding.kv_bytes_per_token(lib, self._model)
         self.weights_bytes = lib.model_size(self._model)
-        self.repack = repack
+        self.build = ik_binding.build_description(repack)
 
         self._released: list[tuple[int, list[int]]] = []  # (context, cached tokens) of dropped sessions
         self._live: weakref.WeakSet[IkSequence] = weakref.WeakSet()
@@ -166,17 +187,17 @@ class IkLlamaEngine:
     @classmethod
     def load(cls, spec: str, device: str = "auto", dtype: str = "auto", threads: int | None = None,
              max_sessions: int = 64, context_length: int | None = None, progress: bool = True,
-             repack: bool = False, prefix_cache: bool = True) -> IkLlamaEngine:
+             repack: bool = True, prefix_cache: bool = True, exact: bool = True) -> IkLlamaEngine:
         path, tokenizer, fingerprint, device = gguf_engine_inputs("ik_llama.cpp", spec, device, dtype, threads,
                                                                   progress)
         return cls(spec, path, tokenizer, fingerprint, device=device, threads=threads, max_sessions=max_sessions,
-                   context_length=context_length, repack=repack, prefix_cache=prefix_cache)
+                   context_length=context_length, repack=repack, prefix_cache=prefix_cache, exact=exact)
 
     def _new_context(self) -> int:
         api = self._lib.api
         params = api.llama_context_default_params()
         params.n_ctx = self.session_cells
-        params.n_batch = params.n_ubatch = MAX_PASS_TOKENS
+        params.n_batch = params.n_ubatch = self._batch_rows
         params.n_seq_max = 1
         params.n_threads = params.n_threads_batch = self.threads
         params.flash_attn = False  # see the module docstring: on, it aborts and is not exact
@@ -329,32 +350,42 @@ class IkLlamaEngine:
             return results
 
     def _decode(self, sequence: IkSequence, tokens: list[int], last_n: int) -> torch.Tensor:
-        """The tokens of `tokens` the session's cache lacks, in passes of at most MAX_PASS_TOKENS; the logits of its
-        last `last_n` positions."""
+        """The tokens of `tokens` the session's cache lacks, in passes of at most max_pass_tokens and at least
+        min_pass_rows rows; the logits of its last `last_n` positions."""
         api = self._lib.api
         sequence.rollback(sequence.reusable_length(tokens, last_n))
+        if len(tokens) - len(sequence.cached_tokens) < self.min_pass_rows and sequence.cached_tokens:
+            sequence.rollback(len(sequence.cached_tokens) - 1)  # one new token: its pass recomputes the previous cell
         start = len(sequence.cached_tokens)
         fresh = tokens[start:]
         first_wanted = len(fresh) - last_n  # index in `fresh` of the first position whose logits are asked for
         rows = np.empty((last_n, self.vocab_size), dtype=np.float32)
         batch = self._batch
-        for chunk in range(0, len(fresh), MAX_PASS_TOKENS):
-            part = fresh[chunk:chunk + MAX_PASS_TOKENS]
-            for j, token in enumerate(part):
+        chunk = 0
+        for size in pass_sizes(len(fresh), self.max_pass_tokens):
+            part = fresh[chunk:chunk + size]
+            # A one-token sequence (nothing cached to recompute): a padding row after it, its cell removed after.
+            padding = max(0, self.min_pass_rows - len(part))
+            for j, token in enumerate(part + part[-1:] * padding):
                 batch.token[j] = token
                 batch.pos[j] = start + chunk + j  # cells fill in position order: the layout one-token decoding has
                 batch.n_seq_id[j] = 1
                 batch.seq_id[j][0] = SEQ_ID
-                batch.logits[j] = chunk + j >= first_wanted
-            batch.n_tokens = len(part)
+                # The rows asked for, and at least the last min_pass_rows: the output layer runs on those rows only.
+                batch.logits[j] = chunk + j >= first_wanted or j >= len(part) + padding - self.min_pass_rows
+            batch.n_tokens = len(part) + padding
             status = api.llama_decode(sequence.context, batch)
             if status != 0:
                 sequence.rollback(0)  # a failed decode may leave part of the tokens in the cache
                 raise RuntimeError(f"llama_decode failed with status {status}")
+            if padding and not self._lib.kv_cache_seq_rm(sequence.context, SEQ_ID, start + chunk + len(part), -1):
+                sequence.rollback(0)
+                raise RuntimeError("ik_llama.cpp could not remove a padding cell")
             sequence.cached_tokens.extend(part)
             for j in range(max(0, first_wanted - chunk), len(part)):
                 rows[chunk + j - first_wanted] = np.ctypeslib.as_array(
                     api.llama_get_logits_ith(sequence.context, j), shape=(self.vocab_size,))
+            chunk += size
         sequence.last_used = self._clock
         return torch.from_numpy(rows)
 
@@ -371,3 +402,13 @@ class IkLlamaEngine:
                     api.llama_free(context)
                 _process_contexts -= len(self._contexts)
             api.llama_free_model(self._model)
+
+
+def pass_sizes(tokens: int, most: int) -> list[int]:
+    """`tokens` split into the fewest passes of at most `most`, near-equal in size: no pass of one row unless
+    `tokens` is 1 (a 32-token prompt in passes of 31 would leave one)."""
+    if tokens <= 0:
+        return []
+    passes = -(-tokens // most)
+    base, longer = divmod(tokens, passes)
+    return [base + 1] * longer + [base] * (passes - longer)

@@ -117,7 +117,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "tokenizer_fingerprint", "eos_token_ids", "device", "dtype", "max_draft_tokens", "max_context_length", "role", "active_sessions", "engine", "resident_bytes", "weights_bytes", "draft_per_token_s", "verify_base_s", "verify_per_draft_s", "verify_costs", "prefix_cache_hits", "prefix_cache_reused_tokens", "deterministic")
+    __slots__ = ("model_name", "vocab_size", "tokenizer_fingerprint", "eos_token_ids", "device", "dtype", "max_draft_tokens", "max_context_length", "role", "active_sessions", "engine", "resident_bytes", "weights_bytes", "draft_per_token_s", "verify_base_s", "verify_per_draft_s", "verify_costs", "prefix_cache_hits", "prefix_cache_reused_tokens", "deterministic", "engine_build")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +138,7 @@ class InfoResponse(_message.Message):
     PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_REUSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DETERMINISTIC_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_BUILD_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     tokenizer_fingerprint: str
@@ -158,7 +159,8 @@ class InfoResponse(_message.Message):
     prefix_cache_hits: int
     prefix_cache_reused_tokens: int
     deterministic: bool
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_draft_tokens: _Optional[int] = ..., max_context_length: _Optional[int] = ..., role: _Optional[str] = ..., active_sessions: _Optional[int] = ..., engine: _Optional[str] = ..., resident_bytes: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., draft_per_token_s: _Optional[float] = ..., verify_base_s: _Optional[float] = ..., verify_per_draft_s: _Optional[float] = ..., verify_costs: _Optional[_Iterable[_Union[VerifyCost, _Mapping]]] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_reused_tokens: _Optional[int] = ..., deterministic: _Optional[bool] = ...) -> None: ...
+    engine_build: str
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_draft_tokens: _Optional[int] = ..., max_context_length: _Optional[int] = ..., role: _Optional[str] = ..., active_sessions: _Optional[int] = ..., engine: _Optional[str] = ..., resident_bytes: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., draft_per_token_s: _Optional[float] = ..., verify_base_s: _Optional[float] = ..., verify_per_draft_s: _Optional[float] = ..., verify_costs: _Optional[_Iterable[_Union[VerifyCost, _Mapping]]] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_reused_tokens: _Optional[int] = ..., deterministic: _Optional[bool] = ..., engine_build: _Optional[str] = ...) -> None: ...
 
 class VerifyCost(_message.Message):
     __slots__ = ("drafts", "seconds")

@@ -48,8 +48,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser, default_model: str) -> 
                         "llamacpp with llama-cpp-python, transformers runs any HF model in torch (exact in float32, "
                         "GPUs); auto = ik (else llamacpp) for GGUF files and catalog models on CPU unless --dtype is "
                         "given, else transformers")
-    parser.add_argument("--repack", action="store_true",
-                        help="ik engine: repack the weights at load for faster kernels (not exact; off by default)")
+    parser.add_argument("--repack", action=argparse.BooleanOptionalAction, default=True,
+                        help="ik engine: repack the weights at load into the layouts of its faster kernels (about 2x "
+                        "a step); exact, since the engine then never runs a one-row pass (docs/engines.md); "
+                        "--no-repack keeps the weights as the file has them")
     parser.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
                         help="a new session starts from the cached keys/values of a finished one that shares its "
                         "prefix (turn n of a conversation prefills only what it added); --no-prefix-cache for "

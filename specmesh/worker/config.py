@@ -59,7 +59,7 @@ class ModelConfig:
     dtype: str = "auto"
     linear_backend: str = "auto"  # CPU: "onednn" runs linear layers on oneDNN (specmesh/runtime/onednn.py), "torch" does not
     threads: int | None = None
-    repack: bool = False  # ik engine: weights repacked at load (faster, not exact)
+    repack: bool = True  # ik engine: weights repacked at load (about 2x faster; exact: no one-row passes)
     prefix_cache: bool = True  # new sessions start from the cached keys/values of finished ones sharing their prefix
     # Answers independent of the load: a session's logits never depend on other sessions, on how its tokens were
     # split into passes, on a prefix-cache resume or a failover (transformers: fixed-shape chunks, shared by sessions
@@ -77,9 +77,11 @@ class ModelConfig:
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
 
-    def load(self, server: ServerConfig, preloaded: LoadedModel | None = None) -> ModelEngine:
+    def load(self, server: ServerConfig, preloaded: LoadedModel | None = None, exact: bool = True) -> ModelEngine:
         """The model on its engine, sized for the server's sessions and context (llama.cpp allocates its KV cells
-        for them up front); or `preloaded`, a model already in memory (tests, embedding), on the transformers engine."""
+        for them up front); or `preloaded`, a model already in memory (tests, embedding), on the transformers engine.
+        `exact=False` (a drafter: its drafts are verified) lets the engine take faster passes whose logits differ in
+        rounding from its other passes."""
         if preloaded is not None:
             from specmesh.runtime.transformers_engine import TransformersEngine
 
@@ -90,7 +92,8 @@ class ModelConfig:
         engine = load_engine(self.model, engine=self.engine, device=self.device, dtype=self.dtype,
                              linear_backend=self.linear_backend, threads=self.threads,
                              max_sessions=server.limits.max_sessions, context_length=server.max_context_length,
-                             repack=self.repack, prefix_cache=self.prefix_cache, deterministic=self.deterministic)
+                             repack=self.repack, prefix_cache=self.prefix_cache, deterministic=self.deterministic,
+                             exact=exact)
         engine.release_tokenizer()  # the worker's own: nothing but the load needed it (a preloaded one may be shared)
         log_determinism(engine)
         return engine

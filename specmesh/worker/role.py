@@ -37,13 +37,15 @@ class ModelDescription:
     weights_bytes: int = 0
     linear_backend: str = ""  # CPU linear layers ("onednn", "torch"); "" when the runtime has none to choose
     deterministic: bool = True  # answers independent of the load (no model: nothing to vary)
+    build: str = ""  # which build of the engine runs and how (ik: package, vector extensions, repack); "" if unsaid
 
     @classmethod
     def of(cls, engine: ModelEngine) -> "ModelDescription":
         return cls(name=engine.name, vocab_size=engine.vocab_size, fingerprint=engine.fingerprint,
                    eos_token_ids=tuple(engine.eos_token_ids), device=engine.device, dtype=engine.dtype,
                    context_limit=engine.context_limit, engine=engine.engine, weights_bytes=engine.weights_bytes,
-                   linear_backend=engine.linear_backend, deterministic=engine.deterministic)
+                   linear_backend=engine.linear_backend, deterministic=engine.deterministic,
+                   build=getattr(engine, "build", ""))
 
 
 class WorkerEngine(Protocol):

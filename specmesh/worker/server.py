@@ -165,7 +165,7 @@ class WorkerServicerBase:
             max_draft_tokens=worker.config.max_draft_tokens, max_context_length=worker.max_context_length,
             role=worker.role.name, active_sessions=len(engine.sessions), engine=model.engine,
             resident_bytes=resident_bytes(), weights_bytes=model.weights_bytes, **prefix_cache_fields(engine),
-            deterministic=model.deterministic,
+            deterministic=model.deterministic, engine_build=model.build,
             **worker.role.info_fields(engine))
 
     @rpc
@@ -246,8 +246,9 @@ class WorkerServer:
               for name, what in (("prefix_cache_hits", "sessions that started from a cached prefix"),
                                  ("prefix_cache_reused_tokens", "tokens reused from cached prefixes"))]])
         self._set_health(health_pb2.HealthCheckResponse.SERVING)
-        log.info("%s ready: model=%s engine=%s device=%s dtype=%s linear=%s port=%d", role, model.name,
-                 model.engine or "-", model.device, model.dtype, model.linear_backend or "-", self.port)
+        log.info("%s ready: model=%s engine=%s%s device=%s dtype=%s linear=%s port=%d", role, model.name,
+                 model.engine or "-", f" ({model.build})" if model.build else "", model.device, model.dtype,
+                 model.linear_backend or "-", self.port)
 
     @contextmanager
     def call_in_flight(self) -> Iterator[None]:

@@ -110,3 +110,22 @@ def test_the_coordinator_imports_no_server_code():
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "[]"
+
+
+def test_the_summary_names_the_engines_and_their_builds():
+    from coordinator.cli import _engines
+
+    build = "ik-llama-cpp-python 0.1.5 (avx2 build), repack on"
+    assert _engines({"verifier_engine": "ik", "drafter_engine": "ik", "verifier_engine_build": build,
+                     "drafter_engine_build": build}) == f"ik ({build})"
+    assert _engines({"verifier_engine": "ik", "drafter_engine": "transformers", "verifier_engine_build": build}) == (
+        f"verifier ik ({build}), drafter transformers")
+    assert _engines({"verifier_engine": "transformers"}) == "transformers"
+
+
+def test_an_engine_builds_vector_extensions_are_read_from_its_system_info():
+    from specmesh.runtime.ik_binding import build_features
+
+    info = "AVX = 1 | AVX_VNNI = 0 | AVX2 = 1 | AVX512 = 0 | AVX512_VNNI = 1 | FMA = 1 | NEON = 0 | F16C = 1 |"
+    assert build_features(info) == ["avx", "avx2", "avx512_vnni", "fma", "f16c"]
+    assert build_features(None) == []

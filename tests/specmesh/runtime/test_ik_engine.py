@@ -295,3 +295,40 @@ def test_a_verifier_has_a_spare_context_after_warm_up_for_its_first_session_and_
     finally:
         verifier.stop_background_work()
         engine.close()
+
+
+def test_prefills_split_into_near_equal_passes_never_one_row():
+    from specmesh.runtime.ik_engine import pass_sizes
+
+    assert pass_sizes(0, 31) == [] and pass_sizes(1, 31) == [1] and pass_sizes(31, 31) == [31]
+    assert pass_sizes(32, 31) == [16, 16] and pass_sizes(63, 31) == [21, 21, 21] and pass_sizes(100, 31) == [25] * 4
+    for tokens in range(2, 200):
+        sizes = pass_sizes(tokens, 31)
+        assert sum(sizes) == tokens and max(sizes) <= 31 and min(sizes) >= 2
+
+
+def test_repack_is_on_by_default_and_exact_passes_never_have_one_row(smol, prompt):
+    """A one-token step recomputes the previous cell with it, and a one-token sequence gets a padding row: the
+    position's logits are those of any longer pass."""
+    assert smol.repack and smol.exact and smol.min_pass_rows == 2 and "repack on" in smol.build
+    whole = smol.new_sequence().logits_for(prompt[:6], 6)
+    assert torch.equal(smol.new_sequence().logits_for(prompt[:1], 1), whole[:1])  # padded
+    stepped = smol.new_sequence()
+    stepped.logits_for(prompt[:3], 1)
+    assert torch.equal(stepped.logits_for(prompt[:4], 1), whole[3:4])  # recomputes position 2 with 3
+    assert stepped.cached_tokens == prompt[:4]
+
+
+def test_without_repack_one_row_passes_are_exact_and_kept(prompt):
+    """--no-repack: the plain kernels, where a one-row pass equals the others (the engine's behaviour before repack).
+    That one-row passes differ with repack is shown on the real pair (tests/test_real_ik.py): this Q4_1 model's
+    repacked one-row kernel happens to round as its multi-row one."""
+    from specmesh.runtime.ik_engine import IkLlamaEngine
+
+    plain = IkLlamaEngine.load(SMOL, context_length=256, max_sessions=2, progress=False, repack=False)
+    try:
+        assert plain.min_pass_rows == 1 and "repack off" in plain.build
+        tokens = prompt + list(range(2000, 2020))
+        assert torch.equal(plain.new_sequence().logits_for(tokens, 20), one_token_logits(plain, tokens, len(prompt)))
+    finally:
+        plain.close()

@@ -63,7 +63,7 @@ proto: $(VENV)/.installed
 	$(PY) scripts/gen_proto.py
 
 # Re-render docs/benchmarks.md's generated part (after its marker line) from every saved report in docs/results/
-# (`coordinator bench ... --json docs/results/NAME.json` adds one); tests/coordinator/benchmarks/test_results_docs.py
+# (`coordinator bench ... --json docs/results/NAME.json` adds one); tests/bench/test_results_docs.py
 # fails until the committed tables are this rendering.
 docs-results: $(VENV)/.installed
 	@grep -qxF '<!-- generated results below: do not edit by hand -->' docs/benchmarks.md || { echo "docs-results: docs/benchmarks.md has no marker line: nothing rewritten" >&2; exit 2; }

@@ -23,19 +23,19 @@ import grpc
 
 from coordinator.cancel import CancelToken, GenerationCancelled
 from coordinator.drafting.policies import DEFAULT_POLICY, POLICIES
-from coordinator.fleet import WorkerPool
+from coordinator.fleet.pools import WorkerPool
 from coordinator.drafting.hybrid import MODEL, SUFFIX, HybridDraftSource
 from coordinator.drafting.priors import cost_prior, measures_costs_later
 from coordinator.drafting.learned import SourceLearning
 from coordinator.loop import DraftLength, LoopConfig, LoopResult, speculative_decode
 from coordinator.record import Recorder
 from coordinator.stream_flush import DEFAULT_STREAM_FLUSH_S, check_stream_flush_s
-from coordinator.channel import new_session_id
-from coordinator.resilience import NoWorkerAvailable, ResilienceConfig
-from coordinator.remote_sessions import DegradingDraftSession, FailoverTargetSession, FaultStats, LazyDraftSource
+from coordinator.fleet.channel import new_session_id
+from coordinator.fleet.resilience import NoWorkerAvailable, ResilienceConfig
+from coordinator.fleet.remote_sessions import DegradingDraftSession, FailoverTargetSession, FaultStats, LazyDraftSource
 from coordinator.text_stream import TextStream
 from coordinator.translation import TokenTranslator, TranslatingDraftSource
-from coordinator.worker_client import WorkerError
+from coordinator.fleet.worker_client import WorkerError
 from specmesh.runtime.tokenizer import load_tokenizer
 from specmesh.ops import logs
 from specmesh.ops import metrics

@@ -102,7 +102,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="HTTP address to bind")
     p.add_argument("--port", type=int, default=8000, help="HTTP port; 0 picks a free one")
     p.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens when a request gives none")
-    from coordinator.admission import AdmissionConfig
+    from coordinator.serving.admission import AdmissionConfig
     d = AdmissionConfig()
     p.add_argument("--max-concurrent-requests", type=int, default=d.max_active,
                    help="generations running at once, each one session on the verifier fleet (keep it within the "
@@ -118,7 +118,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_resilience_arguments(p: argparse.ArgumentParser) -> None:
-    from coordinator.resilience import ResilienceConfig
+    from coordinator.fleet.resilience import ResilienceConfig
     d = ResilienceConfig()
     p.add_argument("--rpc-timeout", type=float, default=d.verify_timeout_s,
                    help="deadline of one Verify or Propose attempt, seconds")
@@ -131,7 +131,7 @@ def add_resilience_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def resilience_from(args: argparse.Namespace):
-    from coordinator.resilience import ResilienceConfig
+    from coordinator.fleet.resilience import ResilienceConfig
     return ResilienceConfig(verify_timeout_s=args.rpc_timeout, propose_timeout_s=args.rpc_timeout,
                             retry_budget_s=args.retry_budget, breaker_fail_max=args.breaker_fail_max,
                             breaker_reset_s=args.breaker_reset)
@@ -189,9 +189,9 @@ def check_arguments(args: argparse.Namespace) -> None:
 
 def start_failed(error: Exception) -> int:
     """Print why the workers could not be used at start; the exit status: 2 for a cause the user can fix (one line,
-    with the fix), else 1 (coordinator/connect_errors.py)."""
+    with the fix), else 1 (coordinator/fleet/connect_errors.py)."""
     from coordinator.api import TokenizerMismatch
-    from coordinator.connect_errors import start_failure
+    from coordinator.fleet.connect_errors import start_failure
     message, status = start_failure(error, user_error=isinstance(error, TokenizerMismatch))
     print(f"coordinator: error: {shown(message)}", file=sys.stderr)
     return status
@@ -201,7 +201,7 @@ def start_failed(error: Exception) -> int:
 def connected(args: argparse.Namespace, progress: bool, while_loading: Callable[[], None] | None = None) -> Iterator:
     """A Coordinator over the given workers, or over local worker subprocesses started for the duration.
     `while_loading`: the caller's own slow preparations, run while local workers load (or at once without any)."""
-    from coordinator.local_workers import LocalWorkerSpec, local_workers
+    from coordinator.fleet.local_workers import LocalWorkerSpec, local_workers
     need_drafter = args.draft_tokens != 0
     specs = []
     determinism = {None: (), True: ("--deterministic",), False: ("--no-deterministic",)}[args.deterministic]
@@ -290,7 +290,7 @@ def generate(args: argparse.Namespace) -> int:
         return run_generation(args, streamed)
     except KeyboardInterrupt:
         # Ctrl-C: whatever was running (loading workers, a gRPC call) has unwound and the local workers are stopped
-        # (or, on a second Ctrl-C during that, end by themselves with this process: coordinator/local_workers.py).
+        # (or, on a second Ctrl-C during that, end by themselves with this process: coordinator/fleet/local_workers.py).
         text = "".join(streamed)
         if args.json:
             print(json.dumps({"status": "interrupted", "text": text}))
@@ -301,7 +301,7 @@ def generate(args: argparse.Namespace) -> int:
 def run_generation(args: argparse.Namespace, streamed: list[str]) -> int:
     """`coordinator generate`; every piece of text it prints (or would print, with --json) is appended to
     `streamed`."""
-    from coordinator.worker_client import WorkerError
+    from coordinator.fleet.worker_client import WorkerError
     from specmesh.ops.logs import configure_logging
     try:
         configure_logging("coordinator", args.log_format, args.log_level)
@@ -411,10 +411,10 @@ def serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from coordinator.admission import AdmissionConfig
-    from coordinator.http_api import create_app
-    from coordinator.http_server import DrainingServer
-    from coordinator.worker_client import WorkerError
+    from coordinator.serving.admission import AdmissionConfig
+    from coordinator.serving.http_api import create_app
+    from coordinator.serving.http_server import DrainingServer
+    from coordinator.fleet.worker_client import WorkerError
     from specmesh.ops.logs import configure_logging
     from specmesh.ops.preflight import bind_problem
     try:
@@ -444,7 +444,7 @@ def serve(args: argparse.Namespace) -> int:
             host, port = listener.getsockname()[:2]
             print(f"coordinator: {determinism_line(coordinator)}", file=sys.stderr, flush=True)
             print(f"LISTENING http://{host}:{port}", flush=True)
-            # SIGTERM drains first (coordinator/http_server.py); the timeout only bounds uvicorn's own wait after it.
+            # SIGTERM drains first (coordinator/serving/http_server.py); the timeout only bounds uvicorn's own wait after it.
             config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=5)
             DrainingServer(config, app.state.completions, args.grace).run(sockets=[listener])
     except WorkerError as e:
@@ -481,7 +481,8 @@ def models_pull(args: argparse.Namespace) -> int:
 
 LEAF_PARSERS: dict[str, argparse.ArgumentParser] = {}
 
-# Benchmarks are commands with their own parsers (coordinator/benchmarks/), imported when run: they load torch.
+# Benchmarks are commands with their own parsers in the top-level package specmesh_bench/ (outside the product: it
+# may import engines), imported only when one runs: they load torch. The one place coordinator/ reaches it.
 BENCHMARK_COMMANDS = {
     "bench": "side-by-side benchmark: target-only, speculative, n-gram and HF transformers baselines",
     "bench-concurrency": "aggregate tokens/s of concurrent generations with and without cross-session batching",
@@ -491,7 +492,7 @@ BENCHMARK_COMMANDS = {
 
 def benchmark_module(command: str) -> ModuleType:
     """The module of a benchmark command: build_parser(prog) and main(argv, prog)."""
-    from coordinator.benchmarks import bench, concurrency, serve_bench
+    from specmesh_bench import bench, concurrency, serve_bench
     return {"bench": bench, "bench-concurrency": concurrency, "bench-serve": serve_bench}[command]
 
 

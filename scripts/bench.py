@@ -1,10 +1,10 @@
-"""`python scripts/bench.py ...` is `coordinator bench ...`: the side-by-side benchmark (coordinator/benchmarks/)."""
+"""`python scripts/bench.py ...` is `coordinator bench ...`: the side-by-side benchmark (specmesh_bench/)."""
 
 from __future__ import annotations
 
 import sys
 
-from coordinator.benchmarks.bench import main
+from specmesh_bench.bench import main
 
 if __name__ == "__main__":
     sys.exit(main())

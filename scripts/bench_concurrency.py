@@ -1,10 +1,10 @@
-"""`python scripts/bench_concurrency.py ...` is `coordinator bench-concurrency ...` (coordinator/benchmarks/)."""
+"""`python scripts/bench_concurrency.py ...` is `coordinator bench-concurrency ...` (specmesh_bench/)."""
 
 from __future__ import annotations
 
 import sys
 
-from coordinator.benchmarks.concurrency import main
+from specmesh_bench.concurrency import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -36,8 +36,8 @@ from pathlib import Path
 from chaos_common import PROMPTS, Slot, log, percentile  # this script's directory is on sys.path
 from coordinator import Coordinator, GenerationOptions
 from coordinator.api import GenerationFailed
-from coordinator.local_workers import LocalWorkerSpec
-from coordinator.resilience import ResilienceConfig
+from coordinator.fleet.local_workers import LocalWorkerSpec
+from coordinator.fleet.resilience import ResilienceConfig
 
 
 @dataclass

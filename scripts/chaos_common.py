@@ -10,8 +10,8 @@ import sys
 import threading
 import time
 
-from coordinator.local_workers import LocalWorker, LocalWorkerSpec
-from coordinator.worker_client import WorkerError
+from coordinator.fleet.local_workers import LocalWorker, LocalWorkerSpec
+from coordinator.fleet.worker_client import WorkerError
 
 PROMPTS = [
     "def fibonacci(n):\n    ",

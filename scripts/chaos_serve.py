@@ -39,9 +39,9 @@ import httpx
 import openai
 
 from chaos_common import PROMPTS, Slot, log, percentile  # this script's directory is on sys.path
-from coordinator.benchmarks.soak import Sampler, Watched, wait_drained
-from coordinator.local_workers import LocalWorkerSpec
-from coordinator.polling import wait_until
+from specmesh_bench.soak import Sampler, Watched, wait_drained
+from coordinator.fleet.local_workers import LocalWorkerSpec
+from coordinator.fleet.polling import wait_until
 
 
 @dataclass(frozen=True)

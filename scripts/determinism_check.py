@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from coordinator import Coordinator, GenerationOptions  # noqa: E402
-from coordinator.local_workers import LocalWorker, LocalWorkerSpec  # noqa: E402
+from coordinator.fleet.local_workers import LocalWorker, LocalWorkerSpec  # noqa: E402
 from specmesh.runtime.tokenizer import load_tokenizer  # noqa: E402
 
 TEXTS = ("def fibonacci(n):", "Once upon a time", "SELECT * FROM", "import numpy as np\n", "hello world",

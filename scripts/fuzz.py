@@ -26,9 +26,9 @@ from hypothesis import HealthCheck, given, settings
 
 from chaos_serve import Server  # this script's directory is on sys.path
 from coordinator import Coordinator, GenerationOptions
-from coordinator.benchmarks.soak import sample_process
-from coordinator.local_workers import LocalWorker, LocalWorkerSpec
-from coordinator.worker_client import RemoteWorker
+from specmesh_bench.soak import sample_process
+from coordinator.fleet.local_workers import LocalWorker, LocalWorkerSpec
+from coordinator.fleet.worker_client import RemoteWorker
 from specmesh.runtime.models import load_model
 
 # The request strategies are the test suite's (tests/ is not an installed package): reach them from the checkout.

@@ -24,8 +24,8 @@ from pathlib import Path
 import psutil
 
 from coordinator import Coordinator, GenerationOptions
-from coordinator.benchmarks.prompts import DEFAULT_PROMPTS
-from coordinator.local_workers import LocalWorkerSpec, local_workers
+from specmesh_bench.prompts import DEFAULT_PROMPTS
+from coordinator.fleet.local_workers import LocalWorkerSpec, local_workers
 from specmesh.runtime.catalog import DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL
 
 

@@ -30,7 +30,7 @@ import tempfile
 import time
 
 from coordinator import Coordinator, GenerationOptions
-from coordinator.local_workers import LocalWorker, LocalWorkerSpec
+from coordinator.fleet.local_workers import LocalWorker, LocalWorkerSpec
 from specmesh.runtime.catalog import DEFAULT_TARGET_MODEL
 from specmesh.wire.history import EMPTY_HASH, TokenHistory
 from specmesh.runtime.engine import load_engine
@@ -101,7 +101,7 @@ def ik_loop_ms(engine, prompt: list[int], steps: int) -> dict:
     """ik_llama.cpp's own loop (the bench's ik-target: the C API on a context of its own, the prompt in one pass)
     beside the engine's: a step each, and the prefill of the prompt each way (the engine's passes of at most 31
     tokens, bit-identical to one-token decoding, against the loop's one pass)."""
-    from coordinator.benchmarks.ik_baseline import IkGreedyLoop
+    from specmesh_bench.ik_baseline import IkGreedyLoop
 
     loop = IkGreedyLoop(engine.path, len(prompt) + steps + 64, engine.threads)
     try:
@@ -159,7 +159,7 @@ def profile_served(args, prompt: list[int]) -> dict:
                                              engine=args.engine), log_dir)
         try:
             worker.wait_serving(1800)
-            from coordinator.worker_client import RemoteWorker
+            from coordinator.fleet.worker_client import RemoteWorker
             remote, history = RemoteWorker(worker.address, "verifier"), TokenHistory()
 
             def grpc_step() -> None:

@@ -17,8 +17,8 @@ import sys
 from pathlib import Path
 
 from coordinator import Coordinator, GenerationOptions
-from coordinator.benchmarks.prompts import DEFAULT_PROMPTS, load_prompts
-from coordinator.local_workers import LocalWorkerSpec, local_workers
+from specmesh_bench.prompts import DEFAULT_PROMPTS, load_prompts
+from coordinator.fleet.local_workers import LocalWorkerSpec, local_workers
 from specmesh.runtime.catalog import DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL
 
 GIB = 2**30

@@ -67,7 +67,7 @@ def send_garbage(port: int, garbage: bytes, reply_timeout_s: float) -> None:
 # completion or chat request that generates a few tokens at most, then are mutated: unknown fields, wrong types,
 # huge values, malformed JSON, invalid UTF-8, lone surrogates, oversized bodies.
 HTTP_MODEL = "tiny-random-qwen2"
-HTTP_BODY_LIMIT = 1024 * 1024  # coordinator.http_api's default max_body_bytes
+HTTP_BODY_LIMIT = 1024 * 1024  # coordinator.serving.http_api's default max_body_bytes
 # Integers and floats that are either tiny or far out of range: a value that a field accepts never asks for a long
 # generation (max_tokens, n), so a fuzz request stays quick.
 WILD_INT = st.one_of(st.integers(min_value=-2**70, max_value=8), st.integers(min_value=2**21, max_value=2**80))

@@ -36,7 +36,7 @@ def wait_for_costs(address: str, role: str, timeout_s: float = 30.0):
     """The Info of the worker at `address` once it reports its costs. A worker whose costs are not cached (any tiny
     test model) measures them in the background after SERVING: tests whose outcome depends on the coordinator's cost
     prior (a seeded sampled generation repeats only with it) wait for them, as a coordinator sees them only later."""
-    from coordinator.worker_client import RemoteWorker
+    from coordinator.fleet.worker_client import RemoteWorker
 
     worker = RemoteWorker(address, role)
     try:

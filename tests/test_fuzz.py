@@ -23,8 +23,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from coordinator import Coordinator, GenerationOptions
-from coordinator.http_api import create_app
-from coordinator.worker_client import RemoteWorker
+from coordinator.serving.http_api import create_app
+from coordinator.fleet.worker_client import RemoteWorker
 from drafter.service import run_server as run_drafter
 from tests.fuzz_strategies import (END, FOUND_END, FOUND_GARBAGE_BODY, FOUND_HTTP, FOUND_PROPOSE, FOUND_VERIFY,
                                    HTTP_BODY_LIMIT, HTTP_MODEL, HTTP_REQUEST, PROPER, PROPOSE, VERIFY, call, found,

@@ -13,8 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from coordinator import Coordinator, GenerationOptions
-from coordinator.resilience import ResilienceConfig
-from coordinator.worker_client import RemoteWorker
+from coordinator.fleet.resilience import ResilienceConfig
+from coordinator.fleet.worker_client import RemoteWorker
 from specmesh.runtime.engine import ik_available
 from tests.chaos.conftest import once, running_fleet
 

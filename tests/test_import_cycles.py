@@ -1,5 +1,6 @@
-"""No import circles among the project's own modules: coordinator/, specmesh/, drafter/, verifier/ and scripts/ (whose
-scripts import each other by bare name: their directory is on sys.path when one runs).
+"""No import circles among the project's own modules: coordinator/, specmesh/, drafter/, verifier/, specmesh_bench/
+and scripts/ (whose scripts import each other by bare name: their directory is on sys.path when one runs); and the
+layering rules of docs/architecture.md#source-layout: which room may import which.
 
 Every import counts, wherever it is written: at module level, inside a function (a lazy import still ties the two
 modules together, and makes the order in which they can be loaded depend on which runs first) and under
@@ -13,7 +14,7 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("coordinator", "specmesh", "drafter", "verifier")
+PACKAGES = ("coordinator", "specmesh", "drafter", "verifier", "specmesh_bench")
 SCRIPTS = "scripts"
 
 
@@ -136,3 +137,89 @@ def test_a_circle_is_found(tmp_path):
     (tmp_path / SCRIPTS / "one.py").write_text("def main():\n    import two\n")
     (tmp_path / SCRIPTS / "two.py").write_text("from one import main\n")
     assert sorted(cycles(import_graph(tmp_path))) == [["one", "two"], ["specmesh.a", "specmesh.b"]]
+
+
+# The layering rules of docs/architecture.md#source-layout. Each rule: (who, what it must not import, the exceptions
+# allowed as (importer, imported) prefixes, why). A module matches a name when it is that module or inside it.
+def within(module: str, *names: str) -> bool:
+    return any(module == name or module.startswith(name + ".") for name in names)
+
+
+# What the coordinator may take from specmesh.runtime: names and files it needs before its workers start, no engine.
+COORDINATOR_RUNTIME = ("specmesh.runtime", "specmesh.runtime.catalog", "specmesh.runtime.engine",
+                       "specmesh.runtime.gguf_cache", "specmesh.runtime.model_spec", "specmesh.runtime.tokenizer")
+PRODUCT = ("coordinator", "specmesh", "drafter", "verifier")
+
+
+def layering_violations(graph: dict[str, set[str]]) -> list[str]:
+    found = []
+
+    def forbid(who, forbidden, why, allowed=lambda importer, imported: False):
+        for importer in sorted(graph):
+            if not who(importer):
+                continue
+            for imported in sorted(graph[importer]):
+                if forbidden(imported) and not allowed(importer, imported):
+                    found.append(f"{importer} imports {imported}: {why}")
+
+    forbid(lambda m: within(m, "specmesh") and not within(m, "specmesh.rayserve"),
+           lambda m: within(m, "coordinator", "drafter", "verifier", "specmesh_bench"),
+           "specmesh/ is the core the others stand on (only specmesh.rayserve composes them)")
+    forbid(lambda m: within(m, "drafter"), lambda m: within(m, "verifier", "coordinator", "specmesh_bench"),
+           "a service imports specmesh/ only")
+    forbid(lambda m: within(m, "verifier"), lambda m: within(m, "drafter", "coordinator", "specmesh_bench"),
+           "a service imports specmesh/ only")
+    forbid(lambda m: within(m, "coordinator"),
+           lambda m: within(m, "drafter", "verifier", "specmesh.worker")
+           or (within(m, "specmesh.runtime") and m not in COORDINATOR_RUNTIME),
+           "the coordinator is a client of the workers: no service, worker server or engine")
+    forbid(lambda m: within(m, "coordinator"), lambda m: within(m, "specmesh_bench"),
+           "the benchmarks are outside the product; the CLI alone hands them their commands",
+           allowed=lambda importer, imported: importer == "coordinator.cli")
+    forbid(lambda m: within(m, "coordinator.loop"), lambda m: within(m, "coordinator.fleet", "coordinator.serving"),
+           "the loop is flat and gRPC-free")
+    forbid(lambda m: within(m, "coordinator.drafting", "coordinator.fleet"),
+           lambda m: within(m, "coordinator.api", "coordinator.cli", "coordinator.serving"),
+           "the drafting decision and the fleet sit below the API")
+    forbid(lambda m: within(m, "coordinator") and not within(m, "coordinator.serving"),
+           lambda m: within(m, "coordinator.serving"), "serving is the top room: only the CLI starts it",
+           allowed=lambda importer, imported: importer == "coordinator.cli")
+    forbid(lambda m: within(m, *PRODUCT), lambda m: within(m, "specmesh_bench"),
+           "nothing in the product imports the benchmarks",
+           allowed=lambda importer, imported: importer == "coordinator.cli")
+    return found
+
+
+def test_every_room_imports_only_what_the_layering_allows():
+    found = layering_violations(import_graph())
+    assert not found, "layering broken (docs/architecture.md#source-layout):\n" + "\n".join(found)
+
+
+def test_the_loop_is_grpc_free():
+    tree = ast.parse((REPO / "coordinator" / "loop.py").read_text())
+    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                for alias in node.names}
+    imported |= {(node.module or "").split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert "grpc" not in imported, "coordinator/loop.py must stay gRPC-free: a flat function over two interfaces"
+
+
+def test_a_layering_violation_is_found(tmp_path):
+    """Each kind of rule fires: the core importing upwards, the coordinator importing an engine or the bench."""
+    for package in PACKAGES:
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__init__.py").write_text("")
+    (tmp_path / SCRIPTS).mkdir()
+    (tmp_path / "specmesh" / "runtime").mkdir()
+    (tmp_path / "specmesh" / "runtime" / "__init__.py").write_text("")
+    (tmp_path / "specmesh" / "runtime" / "ik_engine.py").write_text("")
+    (tmp_path / "specmesh" / "runtime" / "catalog.py").write_text("")
+    (tmp_path / "specmesh" / "core.py").write_text("def f():\n    import coordinator.api\n")
+    (tmp_path / "coordinator" / "api.py").write_text("from specmesh.runtime import ik_engine, catalog\n")
+    (tmp_path / "coordinator" / "cli.py").write_text("import specmesh_bench\n")
+    (tmp_path / "coordinator" / "other.py").write_text("import specmesh_bench\n")
+    found = layering_violations(import_graph(tmp_path))
+    assert any(line.startswith("specmesh.core imports coordinator.api") for line in found)
+    assert any(line.startswith("coordinator.api imports specmesh.runtime.ik_engine") for line in found)
+    assert not any("specmesh.runtime.catalog" in line for line in found)
+    assert any(line.startswith("coordinator.other imports specmesh_bench") for line in found)
+    assert not any(line.startswith("coordinator.cli") for line in found)

@@ -12,9 +12,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from coordinator import Coordinator, GenerationOptions
-from coordinator.resilience import ResilienceConfig
-from coordinator.local_workers import free_port
-from coordinator.worker_client import RemoteWorker
+from coordinator.fleet.resilience import ResilienceConfig
+from coordinator.fleet.local_workers import free_port
+from coordinator.fleet.worker_client import RemoteWorker
 from specmesh.ops.metrics import read_histogram
 from tests.chaos.conftest import once, running_fleet
 

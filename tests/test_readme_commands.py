@@ -8,7 +8,7 @@
   `coordinator models list`, every `coordinator generate` (the first one starting its own workers, as `make run`
   does; the others against tiny workers in this process), and `coordinator serve` with the README's Python block
   (the official `openai` client) talking to it. The benchmark lines only parse here: they run end to end in
-  tests/coordinator/benchmarks/test_commands.py.
+  tests/bench/test_commands.py.
 * README.md opens with the two commands, stays under 250 lines and gives the test command CI runs.
 * docs/README.md links every docs/*.md page, and every relative link in README.md and docs/*.md resolves to an
   existing file, and to an existing heading where it names one.
@@ -215,10 +215,10 @@ def test_command_parses_with_the_real_cli(where, argv, monkeypatch, tmp_path):
     args = check_command(module_argv, where, monkeypatch)
     # Values argparse leaves as strings, checked the way the command checks them when it runs.
     if module_argv[:2] == ["coordinator", "bench"] and "--modes" in module_argv:
-        from coordinator.benchmarks.modes import parse_modes
+        from specmesh_bench.modes import parse_modes
         parse_modes(args.modes)  # raises on an unknown mode
     if module_argv[:2] == ["coordinator", "bench-concurrency"] and "--modes" in module_argv:
-        from coordinator.benchmarks.concurrency import valid_mode
+        from specmesh_bench.concurrency import valid_mode
         assert all(valid_mode(m) for m in args.modes.split(",")), f"{where}: --modes {args.modes}"
 
 

@@ -26,7 +26,7 @@ from verifier.engine import VerifyEngine
 pytestmark = [pytest.mark.real_models,
               pytest.mark.skipif(not ik_available(), reason="ik_llama.cpp does not load here")]
 
-PROMPTS = json.loads((Path(__file__).parents[1] / "coordinator/benchmarks/prompts.json").read_text())["prompts"]
+PROMPTS = json.loads((Path(__file__).parents[1] / "specmesh_bench/prompts.json").read_text())["prompts"]
 MAX_NEW = 24
 
 

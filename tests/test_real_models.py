@@ -20,8 +20,8 @@ import grpc
 import pytest
 
 from coordinator import Coordinator, GenerationOptions
-from coordinator.local_workers import LocalWorker, LocalWorkerSpec, free_port
-from coordinator.resilience import ResilienceConfig
+from coordinator.fleet.local_workers import LocalWorker, LocalWorkerSpec, free_port
+from coordinator.fleet.resilience import ResilienceConfig
 from specmesh.ops.metrics import read_histogram
 from specmesh.runtime.catalog import DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL
 from specmesh.runtime.tokenizer import load_tokenizer

@@ -10,7 +10,7 @@ import signal
 import pytest
 
 from coordinator import Coordinator, GenerationOptions
-from coordinator.resilience import ResilienceConfig
+from coordinator.fleet.resilience import ResilienceConfig
 from specmesh.runtime.catalog import DEFAULT_DRAFT_MODEL
 from specmesh.runtime.engine import ik_available
 from tests.chaos.conftest import once, running_fleet

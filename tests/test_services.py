@@ -6,8 +6,8 @@ import grpc
 import pytest
 
 from coordinator import Coordinator, GenerationOptions
-from coordinator.channel import new_session_id
-from coordinator.worker_client import RemoteWorker
+from coordinator.fleet.channel import new_session_id
+from coordinator.fleet.worker_client import RemoteWorker
 from drafter.service import run_server as run_drafter
 from specmesh.wire.history import EMPTY_HASH, history_hash
 from specmesh.v1 import specmesh_pb2 as pb

@@ -2,7 +2,7 @@
 work: a port that is taken (or privileged, or not an address of this machine) and a file a flag names that cannot be
 read. The commands print the line as `<command>: error: ...` and exit with status 2, no traceback. (Whether a model
 spec names a model is specmesh/runtime/model_spec.py's question; why a worker cannot be reached is
-coordinator/connect_errors.py's.)"""
+coordinator/fleet/connect_errors.py's.)"""
 
 from __future__ import annotations
 

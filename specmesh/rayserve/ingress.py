@@ -1,6 +1,6 @@
 """The coordinator deployment: the OpenAI-compatible HTTP ingress over the verifier and drafter replicas.
 
-It serves the very app of `coordinator serve` (coordinator/http_api.py) over a Coordinator whose pools are fed by
+It serves the very app of `coordinator serve` (coordinator/serving/http_api.py) over a Coordinator whose pools are fed by
 Ray instead of a static list: every `discovery_interval_s` it broadcasts `describe` to the worker deployments (Serve
 sends it to each replica it counts as running) and hands the addresses to the pools (WorkerPool.set_addresses). A
 replica Ray started joins; one Ray stopped, or whose node died, leaves, and its sessions move to another verifier,
@@ -79,8 +79,8 @@ class CoordinatorIngress:
                                  ", ".join(addresses))
 
     def __serve_build_asgi_app__(self):
-        from coordinator.admission import AdmissionConfig
-        from coordinator.http_api import create_app
+        from coordinator.serving.admission import AdmissionConfig
+        from coordinator.serving.http_api import create_app
         args = self.args
         return create_app(self.coordinator, default_max_tokens=args.default_max_tokens,
                           draft_tokens=args.draft_tokens, draft_policy=args.draft_policy, pipeline=args.pipeline,

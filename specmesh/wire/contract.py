@@ -9,7 +9,7 @@ from __future__ import annotations
 # A FAILED_PRECONDITION whose message starts with this asks the client to repeat the call with the full history.
 RESYNC_PREFIX = "resync:"
 
-# Keepalive pings notice a silently dead peer; clients (coordinator/channel.py) use these values and servers permit
+# Keepalive pings notice a silently dead peer; clients (coordinator/fleet/channel.py) use these values and servers permit
 # pings that often, so they never answer them with GOAWAY "too_many_pings".
 KEEPALIVE_TIME_MS = 20_000
 KEEPALIVE_TIMEOUT_MS = 10_000

@@ -92,7 +92,7 @@ def _served(servicer, name: str, request, context: grpc.ServicerContext) -> Iter
         code = status.name
         if status == grpc.StatusCode.UNKNOWN:
             raise
-        # The resync prefix is what clients recognise (coordinator/channel.py).
+        # The resync prefix is what clients recognise (coordinator/fleet/channel.py).
         context.abort(status, f"{RESYNC_PREFIX} {e}" if isinstance(e, ResyncRequired) else str(e))
     finally:
         service = servicer.worker.role.name

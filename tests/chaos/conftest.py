@@ -8,8 +8,8 @@ from contextlib import contextmanager
 
 import pytest
 
-from coordinator.local_workers import LocalWorker, LocalWorkerSpec
-from coordinator.polling import wait_until
+from coordinator.fleet.local_workers import LocalWorker, LocalWorkerSpec
+from coordinator.fleet.polling import wait_until
 from specmesh.runtime.models import load_model
 from tests.helpers import reference_greedy
 

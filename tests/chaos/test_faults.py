@@ -14,8 +14,8 @@ import pytest
 
 from coordinator import Coordinator, GenerationOptions
 from coordinator.api import GenerationFailed
-from coordinator.resilience import ResilienceConfig
-from coordinator.local_workers import free_port
+from coordinator.fleet.resilience import ResilienceConfig
+from coordinator.fleet.local_workers import free_port
 from specmesh.ops.metrics import read_histogram
 from tests.chaos.conftest import MAX_NEW, PROMPT_TEXT, once, poll
 

@@ -9,7 +9,7 @@ import signal
 import time
 
 from coordinator import Coordinator, GenerationOptions
-from coordinator.resilience import ResilienceConfig
+from coordinator.fleet.resilience import ResilienceConfig
 from tests.chaos.conftest import MAX_NEW, once, poll
 from tests.chaos.test_faults import opened, pinned
 from verifier.service import run_server as run_verifier

@@ -3,7 +3,7 @@
 pinned on is cut (its switch port goes down: packets vanish, no RST, no ICMP), which only the Verify deadline and
 keepalive can notice; the session must fail over to the other verifier and produce exactly the target's greedy output.
 
-The namespaces come from coordinator/benchmarks/netns.py (shared with the split-host benchmark). Needs root
+The namespaces come from specmesh_bench/netns.py (shared with the split-host benchmark). Needs root
 (CAP_NET_ADMIN) and `ip`; skips with the reason otherwise. The coordinator side runs in its namespace as
 this module run as a script (`python -m tests.chaos.test_multihost '<json config>'`), talking over stdin/stdout:
 
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.benchmarks.netns import Mesh, MeshUnavailable, remove_stale_namespaces
+from specmesh_bench.netns import Mesh, MeshUnavailable, remove_stale_namespaces
 
 REPO = Path(__file__).resolve().parents[2]
 SUBNET = "10.213.7"  # private /24, used only inside this test's namespaces
@@ -148,7 +148,7 @@ def test_cut_link_of_pinned_verifier_fails_over_across_hosts(mesh, tiny, prompt,
 def drive(config: dict) -> int:
     from coordinator import Coordinator, GenerationOptions
     from coordinator.api import GenerationFailed
-    from coordinator.resilience import ResilienceConfig
+    from coordinator.fleet.resilience import ResilienceConfig
 
     resilience = ResilienceConfig(verify_timeout_s=config["verify_timeout_s"], propose_timeout_s=2.0,
                                   retry_budget_s=20.0, backoff_initial_s=0.05, backoff_max_s=0.5,

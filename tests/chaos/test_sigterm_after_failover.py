@@ -10,7 +10,7 @@ import subprocess
 import time
 
 from coordinator import Coordinator
-from coordinator.local_workers import LocalWorker
+from coordinator.fleet.local_workers import LocalWorker
 from tests.chaos.conftest import TARGET, once
 from tests.chaos.test_faults import FAST, GREEDY, pinned
 

@@ -103,7 +103,7 @@ def test_models_pull_unknown_name():
 def test_the_coordinator_imports_no_server_code():
     """A client depends on the wire contract, the decoding math and a tokenizer: never on the worker server, the
     model engines or llama.cpp (specmesh.worker, the server package, pulls in the engines and the gRPC server)."""
-    code = ("import sys, coordinator.api, coordinator.cli, coordinator.http_api; "
+    code = ("import sys, coordinator.api, coordinator.cli, coordinator.serving.http_api; "
             "print(sorted(m for m in sys.modules if m.startswith(('specmesh.worker', "
             "'specmesh.runtime.llamacpp', 'specmesh.runtime.transformers', 'specmesh.runtime.batched_forward', "
             "'llama_cpp', 'verifier', 'drafter'))))")

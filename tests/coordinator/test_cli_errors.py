@@ -16,9 +16,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from coordinator.connect_errors import start_failure
-from coordinator.local_workers import free_port
-from coordinator.worker_client import WorkerError
+from coordinator.fleet.connect_errors import start_failure
+from coordinator.fleet.local_workers import free_port
+from coordinator.fleet.worker_client import WorkerError
 from verifier.service import run_server as run_verifier
 
 TINY = ["--target-model", "tiny-random-qwen2", "--draft-model", "tiny-random-qwen2-b", "--dtype", "float64",

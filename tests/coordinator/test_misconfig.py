@@ -14,8 +14,8 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from coordinator import Coordinator
-from coordinator.local_workers import free_port
-from coordinator.worker_client import WorkerError
+from coordinator.fleet.local_workers import free_port
+from coordinator.fleet.worker_client import WorkerError
 from specmesh.wire.security import ClientSecurity, TlsFiles
 from tests.certs import ThrowawayPKI
 from verifier.service import run_server as run_verifier

@@ -15,14 +15,14 @@ import uuid
 import grpc
 import pytest
 
-from coordinator.local_workers import LocalWorker, LocalWorkerSpec
-from coordinator.polling import wait_until
+from coordinator.fleet.local_workers import LocalWorker, LocalWorkerSpec
+from coordinator.fleet.polling import wait_until
 from drafter.service import run_server as run_drafter
 from specmesh.v1 import specmesh_pb2 as pb
 from specmesh.v1 import specmesh_pb2_grpc as pb_grpc
 from specmesh.wire.history import EMPTY_HASH
 from tests.conftest import left_behind
-from tests.coordinator.test_http import processes_with
+from tests.coordinator.serving.test_http import processes_with
 from verifier.service import run_server as run_verifier
 
 TINY = ["--target-model", "tiny-random-qwen2", "--draft-model", "tiny-random-qwen2-b", "--dtype", "float64",
@@ -30,7 +30,7 @@ TINY = ["--target-model", "tiny-random-qwen2", "--draft-model", "tiny-random-qwe
 
 PARENT = """
 import sys, tempfile, threading, time
-from coordinator.local_workers import LocalWorker, LocalWorkerSpec
+from coordinator.fleet.local_workers import LocalWorker, LocalWorkerSpec
 log_dir = tempfile.mkdtemp()
 verifier = LocalWorker(LocalWorkerSpec("verifier", "tiny-random-qwen2", "cpu", "float64", threads=1), log_dir)
 # Started from a thread that ends at once: the worker must outlive the thread (a parent-death signal would not).

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 import specmesh.worker.config
 from coordinator import Coordinator, GenerationOptions
-from coordinator.local_workers import LocalWorkerSpec, local_workers
-from coordinator.worker_client import RemoteWorker
+from coordinator.fleet.local_workers import LocalWorkerSpec, local_workers
+from coordinator.fleet.worker_client import RemoteWorker
 from drafter.cli import main as drafter_main
 from drafter.ngram import (NO_DTYPE, NgramConfig, NgramEngine, NgramIndex, continue_from, describe_loaded,
                            describe_target, lookup)

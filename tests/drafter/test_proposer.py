@@ -6,7 +6,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from coordinator.polling import wait_until
+from coordinator.fleet.polling import wait_until
 from drafter.config import METHODS, DrafterConfig
 from drafter.engine import DraftEngine
 from drafter.ngram import NgramEngine, describe_loaded

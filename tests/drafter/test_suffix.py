@@ -12,7 +12,7 @@ import torch
 
 import specmesh.worker.config
 from coordinator import Coordinator, GenerationOptions
-from coordinator.worker_client import RemoteWorker
+from coordinator.fleet.worker_client import RemoteWorker
 from drafter.cli import main as drafter_main
 from drafter.config import DrafterConfig
 from drafter.ngram import ngram_description

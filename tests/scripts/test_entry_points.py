@@ -1,5 +1,5 @@
 """The scripts run from the repository root as the README shows them (`python scripts/NAME.py`). The benchmark scripts
-are thin entry points of the coordinator's benchmark commands (coordinator/benchmarks/): same flags, same help. The
+are thin entry points of the coordinator's benchmark commands (specmesh_bench/): same flags, same help. The
 tools import the installed packages, no sys.path edits (fuzz.py alone reaches into tests/ for its strategies)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.benchmarks import bench, concurrency
+from specmesh_bench import bench, concurrency
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.polling import wait_until
+from coordinator.fleet.polling import wait_until
 from specmesh.runtime.engine import as_engine
 from specmesh.worker.config import ModelConfig, ServerConfig
 from specmesh.worker.cost_probe import PROBE_VERIFY_DRAFTS

@@ -1,5 +1,5 @@
 """What the cost policy decides before and during a generation, seen on fake workers
-(tests/coordinator/fake_workers.py): where no draft length pays by the workers' cost curves, the drafter is never
+(tests/coordinator/fleet/fake_workers.py): where no draft length pays by the workers' cost curves, the drafter is never
 called and no drafter session is opened; where drafting pays but acceptance is poor, k = 0 with probe rounds that
 never make the drafter catch up a long backlog; and the summary line and the --json stats say what was decided and
 why."""
@@ -17,14 +17,14 @@ from coordinator.cli import print_summary
 from coordinator.drafting.costs import PLAUSIBLE_ACCEPTANCE, PRIOR_ACCEPTANCE, CostEstimate
 from coordinator.drafting.policies import PROBE_EVERY, PROBE_MAX_GAP
 from coordinator.drafting.policies import DraftLength
-from coordinator.fleet import WorkerPool
+from coordinator.fleet.pools import WorkerPool
 from coordinator.loop import LoopConfig, LoopResult, speculative_decode
-from coordinator.polling import wait_until
-from coordinator.remote_sessions import (MAX_DRAFTER_BACKLOG, RESTART_CONTEXT, DegradingDraftSession,
+from coordinator.fleet.polling import wait_until
+from coordinator.fleet.remote_sessions import (MAX_DRAFTER_BACKLOG, RESTART_CONTEXT, DegradingDraftSession,
                                          FailoverTargetSession, FaultStats, LazyDraftSource)
-from coordinator.resilience import ResilienceConfig
+from coordinator.fleet.resilience import ResilienceConfig
 from specmesh.decoding.sampling import SamplingParams
-from tests.coordinator.fake_workers import FakeFleet, target_continuation
+from tests.coordinator.fleet.fake_workers import FakeFleet, target_continuation
 
 PROMPT = [3, 14, 15, 9, 26]
 # A drafter whose failures never open its breaker: an outage is exactly as long as a test makes it.

@@ -262,7 +262,7 @@ def test_the_loop_streams_the_stretches_the_hybrid_waits_and_syncs_the_suffix_dr
 
 def test_the_hybrid_model_session_opens_on_the_recent_window():
     """A draft model joining a hybrid generation late (or on a long conversation) prefills only the last tokens."""
-    from coordinator.remote_sessions import LazyDraftSource
+    from coordinator.fleet.remote_sessions import LazyDraftSource
     opened = []
     lazy = LazyDraftSource(list(range(1000)), lambda history: opened.append(history) or Scripted([(1,)]), window=256)
     lazy.update([5000, 5001])

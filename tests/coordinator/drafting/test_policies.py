@@ -230,7 +230,7 @@ def test_the_coordinator_reads_the_costs_again_until_the_workers_report_them():
     """A coordinator that connected before its workers measured their costs reads their Info again before a
     generation, at most every COST_REFRESH_S, until they report them; then the generations start from the prior."""
     from coordinator import api
-    from coordinator.worker_client import WorkerError
+    from coordinator.fleet.worker_client import WorkerError
 
     measured = SimpleNamespace(role="verifier", engine="ik", verify_base_s=0.4, verify_per_draft_s=0.05)
     answers = iter([WorkerError("verifier: Info failed: DEADLINE_EXCEEDED"),

@@ -11,7 +11,7 @@ import weakref
 import pytest
 import torch
 
-from coordinator.polling import wait_until
+from coordinator.fleet.polling import wait_until
 from specmesh.runtime.fixed_chunks import CHUNK_TOKENS, ChunkedSequence
 from specmesh.runtime.models import load_model
 from specmesh.worker.config import ModelConfig, ServerConfig

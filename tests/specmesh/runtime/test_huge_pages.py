@@ -147,7 +147,7 @@ def test_the_real_target_worker_holds_its_weights_on_huge_pages_and_decodes_the_
     """The default target's worker (ik): its log reports the weights on huge pages (more than the 0.9 GiB of the
     Q4_K_M file), and its greedy tokens equal those of a worker started with --no-huge-pages."""
     from coordinator import Coordinator, GenerationOptions
-    from coordinator.local_workers import LocalWorker, LocalWorkerSpec
+    from coordinator.fleet.local_workers import LocalWorker, LocalWorkerSpec
     from specmesh.runtime.catalog import DEFAULT_TARGET_MODEL
 
     if not restarts_here():

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from coordinator.loop import LoopConfig, speculative_decode
-from coordinator.polling import wait_until
+from coordinator.fleet.polling import wait_until
 from coordinator.drafting.policies import DraftLength
 from drafter.engine import DraftEngine
 from specmesh.runtime.engine import choose_engine

@@ -9,7 +9,7 @@ import weakref
 import pytest
 import torch
 
-from coordinator.polling import wait_until
+from coordinator.fleet.polling import wait_until
 from specmesh.runtime import transformers_engine
 from specmesh.runtime.transformers_engine import TransformersEngine
 

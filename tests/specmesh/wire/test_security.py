@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from coordinator import Coordinator, GenerationOptions
-from coordinator.worker_client import RemoteWorker
+from coordinator.fleet.worker_client import RemoteWorker
 from specmesh.wire.history import EMPTY_HASH
 from specmesh.wire.security import ClientSecurity, TlsFiles, exposure_warning
 from specmesh.worker.session_store import SessionLimits

@@ -10,7 +10,7 @@ import time
 import grpc
 import pytest
 
-from coordinator.worker_client import measures_costs_later
+from coordinator.fleet.worker_client import measures_costs_later
 from drafter.engine import DraftEngine
 from drafter.service import run_server as run_drafter
 from specmesh.ops import metrics

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from coordinator.polling import wait_until
+from coordinator.fleet.polling import wait_until
 from specmesh.worker import cost_probe
 from specmesh.worker.cost_probe import (PROBE_CONTEXT_LENGTH, BackgroundCostProbe, RequestActivity,
                                         costs_now_or_in_background, fastest_runs, probe_context, read_cached_costs,

@@ -2,20 +2,19 @@
 
 Concurrent Propose calls of different sessions draft together: each draft step is ONE forward pass over every session
 drafting at that moment (specmesh/runtime/batched_forward.py on the transformers engine, one `llama_decode` with a
-sequence id per row on llama.cpp; the same engine call the verifier batches with). Scheduling is per step, as in Orca's
-iteration-level batching: a call that arrives while others draft joins them at the next step, and a row that has its
-k tokens (or fails, or whose caller has gone) leaves and is answered at once, while the others go on to their own k.
-As in the verifier there is no batching thread: each caller queues its request; one caller at a time runs steps for
-everyone until its own request is answered, and then hands over to a caller still waiting. Callers whose rows are done
-are woken at once, so that their next calls can join the rows still drafting. A lone call never waits; a new batch (nothing drafting) waits
-up to `max_batch_wait_s` for sessions answered recently, which are usually at the verifier and about to come back.
+sequence id per row on llama.cpp, a pass per session on ik_llama.cpp; the same engine call the verifier batches with).
+Scheduling is per step, as in Orca's iteration-level batching: a call that arrives while others draft joins them at
+the next step, and a row that has its k tokens (or fails, or whose caller has gone) leaves and is answered at once,
+while the others go on to their own k. As in the verifier there is no batching thread: each caller queues its request;
+one caller at a time runs steps for everyone until its own request is answered, and then hands over to a caller still
+waiting (specmesh/worker/batching_engine.py). Callers whose rows are done are woken at once, so that their next calls
+can join the rows still drafting. A lone call never waits; a new batch (nothing drafting) waits up to
+`max_batch_wait_s` for sessions answered recently, which are usually at the verifier and about to come back.
 """
 
 from __future__ import annotations
 
-import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -24,37 +23,25 @@ from drafter.proposer import Proposal
 from specmesh.decoding.sampling import SamplingParams, SparseDist, draft_sample
 from specmesh.ops import metrics
 from specmesh.runtime.batched_forward import MAX_BATCHED_FRESH_TOKENS, fresh_length
-from specmesh.runtime.engine import ModelEngine, as_engine
+from specmesh.runtime.engine import ModelEngine
 from specmesh.wire.contract import Cancelled
-from specmesh.wire.history import EMPTY_HASH, TokenHistory
-from specmesh.worker.batch_window import BatchTurns, wait_for_active_sessions
-from specmesh.worker.cost_probe import (PROBE_DRAFTS, BackgroundCostProbe, RequestActivity, costs_now_or_in_background,
-                                        probe_context, timed)
-from specmesh.worker.idle_upkeep import IdleUpkeep, spare_context_upkeep
-from specmesh.worker.role import ModelDescription
-from specmesh.worker.session_store import Session, SessionLimits, SessionStore, kv_sessions, request_session
+from specmesh.wire.history import EMPTY_HASH
+from specmesh.worker.batching_engine import BatchingWorkerEngine, QueuedRequest
+from specmesh.worker.cost_probe import PROBE_DRAFTS, probe_context
+from specmesh.worker.session_store import SessionLimits
 
 
 @dataclass
-class _Request:
-    """One Propose call, and while it drafts, its row in the batch."""
+class _Request(QueuedRequest):
+    """One Propose call, and while it drafts, its row in the batch. A cost probe's (`probe_session`) never joins the
+    drafting rows: it drafts alone, holding the model."""
 
-    session_id: str
-    base_length: int
-    base_hash: int
-    new_tokens: list[int]
     k: int
     params: SamplingParams
     seed: int
     is_active: Callable[[], bool] = lambda: True  # False once the caller has gone (cancelled, deadline passed)
-    # A cost probe's session, kept outside the store: the probe adds no session to Info's count, evicts none and is
-    # no traffic in the metrics. A probe never joins the drafting rows (it drafts alone, holding the model).
-    probe_session: Session | None = field(default=None, repr=False)
-    done: bool = False
     proposal: Proposal | None = None
-    error: BaseException | None = None
     # Filled when it joins the drafting rows.
-    session: Session | None = field(default=None, repr=False)
     committed_length: int = 0
     sequence: list[int] = field(default_factory=list)  # the committed history, then the drafts so far
     tokens: list[int] = field(default_factory=list)
@@ -65,34 +52,21 @@ class _Request:
         return self.error is not None or len(self.tokens) >= self.k
 
 
-class DraftEngine:
+class DraftEngine(BatchingWorkerEngine):
     """A Proposer (drafter/proposer.py) drafting k tokens autoregressively with the draft model.
 
     The drafts stay in the session's KV cache; the next call's context sync says which of them were accepted, and the
     cache rolls back to the longest prefix shared with the new committed history (explicit rollback of the rest).
     """
 
+    role = "drafter"
+
     def __init__(self, loaded: ModelEngine, limits: SessionLimits = SessionLimits(),
                  batching: BatchingConfig = BatchingConfig()) -> None:
-        self.loaded = loaded = as_engine(loaded)  # the model engine: transformers or llama.cpp
-        self.description = ModelDescription.of(loaded)
-        self.sessions = SessionStore(limits, kv_sessions(loaded))
-        self.max_batch_size = min(batching.max_batch_size, loaded.max_batch_size)
-        self.max_batch_wait_s = batching.max_batch_wait_s
-        self._model_lock = threading.Lock()  # one draft step at a time: CPU threads are already all in use
-        self._turns = BatchTurns()  # one caller steps every drafting row; the others wait for their answers
-        self._queue_lock = threading.Lock()
-        self._arrived = threading.Condition(self._queue_lock)  # notified when a request is queued
-        self._queue: deque[_Request] = deque()
+        super().__init__(loaded, limits, batching)
         self._drafting: list[_Request] = []  # the batch's rows; only touched holding the model lock
-        self._answered_at: dict[str, float] = {}  # session -> when it last got an answer (monotonic)
-        self._busy_since = 0.0
-        self._last_busy_s = 0.0  # how long the last batch (from a first row to no rows) took
+        self._busy_since = 0.0  # when the current batch got its first row; it lasts until it has no rows
         self.draft_per_token_s = 0.0  # cached, or measured in the background after warm-up; 0 until then
-        self._activity = RequestActivity()  # when the background cost probe may run
-        self._cost_probe: BackgroundCostProbe | None = None
-        self._upkeep: IdleUpkeep | None = None  # what the engine prepares while idle (a spare ik context)
-        self._probe_session: Session | None = None  # the cost probe's, while it measures
 
     def propose(self, session_id: str, base_length: int, base_hash: int, new_tokens: list[int], k: int,
                 params: SamplingParams, seed: int, is_active: Callable[[], bool] = lambda: True) -> Proposal:
@@ -100,11 +74,6 @@ class DraftEngine:
         with self._activity.request():
             self._queue_request(request)
             return self._answer(request)
-
-    def _queue_request(self, request: _Request) -> None:
-        with self._arrived:
-            self._queue.append(request)
-            self._arrived.notify_all()
 
     def _answer(self, request: _Request) -> Proposal:
         self._turns.run_until_answered(lambda: request.done, lambda: self._step_on_model_thread(request))
@@ -114,9 +83,8 @@ class DraftEngine:
         return request.proposal
 
     def _step_on_model_thread(self, request: _Request) -> None:
-        with self._model_lock:
-            # Every step's torch work (forward pass and sampling) on the model's thread, none on this one.
-            self.loaded.run_on_model_thread(self._step_until_done, request)
+        # Every step's torch work (forward pass and sampling) on the model's thread, none on this one.
+        self._holding_the_model(self._step_until_done, request)
 
     # ------------------------------------------------------------------ one step for every drafting row
 
@@ -145,18 +113,12 @@ class DraftEngine:
             self._answer_finished()
 
     def _admit(self) -> None:
-        """Queued calls join the rows, oldest first, up to max_batch_size rows and one per session (a session's calls
-        run in order: a retry can arrive while its first attempt is still drafting)."""
+        """Queued calls join the rows, oldest first, up to max_batch_size rows and one per session."""
         with self._arrived:
             if not self._drafting:
                 self._wait_for_active_sessions()
-            sessions = {r.session_id for r in self._drafting}
-            joining, later = [], deque()
-            while self._queue and len(self._drafting) + len(joining) < self.max_batch_size:
-                request = self._queue.popleft()
-                (later if request.session_id in sessions else joining).append(request)
-                sessions.add(request.session_id)
-            self._queue.extendleft(reversed(later))
+            joining = self._take_queued({r.session_id for r in self._drafting},
+                                        self.max_batch_size - len(self._drafting))
         if joining and not self._drafting:
             self._busy_since = time.monotonic()
         self._drafting.extend(joining)  # first: whatever happens next, a row is answered (see _step)
@@ -166,35 +128,17 @@ class DraftEngine:
             else:
                 self._sync(request)
 
-    def _wait_for_active_sessions(self) -> None:
-        """Called holding the queue lock, before a new batch (specmesh/worker/batch_window.py)."""
-        wait_for_active_sessions(self._arrived, lambda: (r.session_id for r in self._queue), self._answered_at,
-                                 self.max_batch_size, self.max_batch_wait_s, self._last_busy_s)
-
     def _sync(self, request: _Request) -> None:
-        """Bring the request's session up to the client's history; a request that cannot be synced fails alone."""
-        try:
-            request.session = request_session(self.sessions, request)
-        except Exception as e:  # ResyncRequired, ValueError: answered to this caller only
-            request.error = e
-            return
-        request.sequence = list(request.session.history.tokens)
-        request.committed_length = len(request.sequence)
+        if self._sync_session(request):
+            request.sequence = list(request.session.history.tokens)
+            request.committed_length = len(request.sequence)
 
     def _draft_together(self, group: list[_Request]) -> None:
         """One forward pass: the next token's logits for each row's sequence, then one draft token per row."""
-        try:
-            all_logits = self.loaded.batched_logits([r.session.sequence for r in group], [r.sequence for r in group],
-                                                    [1] * len(group))
-        except Exception as e:
-            for request in group:
-                # The caches may hold a partial update: drop them, the clients' next calls resync.
-                self.sessions.end(request.session_id)
-                request.error = e
+        all_logits = self._batched_logits(group, [r.sequence for r in group], [1] * len(group),
+                                          metrics.DRAFT_BATCH_SIZE)
+        if all_logits is None:
             return
-        traffic = [r for r in group if r.probe_session is None]
-        if traffic:
-            metrics.DRAFT_BATCH_SIZE.observe(len(traffic))
         for request, logits in zip(group, all_logits):
             try:
                 draft = draft_sample(logits[0], request.params, request.seed, position=len(request.sequence))
@@ -215,22 +159,15 @@ class DraftEngine:
         for request in finished:
             if request.error is None:
                 request.proposal = Proposal(tuple(request.tokens), tuple(request.dists), request.committed_length)
-                with self._queue_lock:
-                    self._answered_at[request.session_id] = now
+                self._answered(request.session_id, now)
             request.session = None
             request.done = True  # last: the caller may read the answer as soon as this is set
         self._turns.answered_some()
         self.sessions.enforce_memory()
         if not self._drafting:
-            self._last_busy_s = now - self._busy_since
+            self._last_batch_s = now - self._busy_since  # a batch: from its first row to no rows
 
-    # ------------------------------------------------------------------ sessions and warm-up
-
-    def end_session(self, session_id: str) -> bool:
-        """Forget a session: its KV cache, and that it may come back soon (no batch waits for it)."""
-        with self._queue_lock:
-            self._answered_at.pop(session_id, None)
-        return self.sessions.end(session_id)
+    # ------------------------------------------------------------------ warm-up and cost probe
 
     def warm_up(self) -> None:
         """One batched (when batching is on) and one single proposal so the first real calls are not slow; then report
@@ -246,41 +183,24 @@ class DraftEngine:
                 self.end_session(request.session_id)
         self.propose("warm-up", 0, EMPTY_HASH, probe_context(self.loaded.vocab_size), 1, SamplingParams(), 0)
         self.end_session("warm-up")
-        self._cost_probe = costs_now_or_in_background(
-            "drafter", self.loaded, self._activity, {"propose": self._probe_propose},
-            to_costs=lambda seconds: seconds["propose"] / PROBE_DRAFTS, publish=self._publish_costs,
-            finish=self._drop_probe_session)
-        self._upkeep = spare_context_upkeep("drafter", self.loaded, self._activity, self._model_lock)
-
-    def stop_background_work(self) -> None:
-        """Stop measuring the costs, if it still is, and the idle upkeep (within one call each): for the server's
-        stop."""
-        if self._cost_probe is not None:
-            self._cost_probe.stop()
-        if self._upkeep is not None:
-            self._upkeep.stop()
+        self._start_background_work({"propose": self._probe_propose},
+                                    to_costs=lambda seconds: seconds["propose"] / PROBE_DRAFTS)
 
     def _publish_costs(self, seconds_per_token) -> None:
         self.draft_per_token_s = float(seconds_per_token)  # Info reports it from now on
 
     def _probe_propose(self) -> float | None:
-        """One call of the cost probe (specmesh/worker/cost_probe.py's BackgroundCostProbe): the seconds of a proposal
-        of PROBE_DRAFTS tokens on the probe context, holding the model like a stepping caller and drafting alone; None
-        when it prefilled that context instead (the first call). The drafts are never accepted: each proposal drafts
-        from the same context."""
-        with self._model_lock:
-            return self.loaded.run_on_model_thread(self._probe_propose_on_model_thread)
+        """One call of the cost probe: the seconds of a proposal of PROBE_DRAFTS tokens on the probe context, holding
+        the model like a stepping caller and drafting alone. The drafts are never accepted: each proposal drafts from
+        the same context."""
+        return self._holding_the_model(self._probe_propose_on_model_thread)
 
     def _probe_propose_on_model_thread(self) -> float | None:
-        context = probe_context(self.loaded.vocab_size)
-        if self._probe_session is None:  # new_sequence on the model thread, as a request's session is made
-            self._probe_session = kv_sessions(self.loaded)()
-            self._draft_alone(_Request("cost-probe", 0, EMPTY_HASH, context, 1, SamplingParams(), 0,
-                                       probe_session=self._probe_session))
-            return None
-        context_hash = TokenHistory(context).hash_at(len(context))
-        return timed(self._draft_alone, _Request("cost-probe", len(context), context_hash, [], PROBE_DRAFTS,
-                                                 SamplingParams(), 0, probe_session=self._probe_session))
+        def request(base_length: int, base_hash: int, new_tokens: list[int], prefill: bool) -> _Request:
+            return _Request("cost-probe", base_length, base_hash, new_tokens, 1 if prefill else PROBE_DRAFTS,
+                            SamplingParams(), 0, probe_session=self._probe_session)
+
+        return self._time_probe(self._draft_alone, request)
 
     def _draft_alone(self, request: _Request) -> None:
         """Draft a probe's k tokens, one step at a time with no other row (called holding the model lock)."""
@@ -289,6 +209,3 @@ class DraftEngine:
             self._draft_together([request])
         if request.error is not None:
             raise request.error
-
-    def _drop_probe_session(self) -> None:
-        self._probe_session = None  # its KV cache goes with it (the engine frees a dropped sequence)

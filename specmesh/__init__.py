@@ -1,6 +1,7 @@
 """specmesh's shared core, one subpackage per concern; the folders are the architecture.
 
-    runtime/   loading models and running them: engines (transformers, llama.cpp), devices, KV caches, tokenizers
+    runtime/   loading models and running them: engines (transformers, llama.cpp, ik_llama.cpp), devices, KV caches,
+               tokenizers
     decoding/  the math: warpers, sampling, accept/reject
     wire/      what both ends of an RPC agree on: history sync, validation, limits, conversions, TLS and tokens
     worker/    the gRPC worker server the drafter and the verifier run on: sessions, the server, its CLI

@@ -95,7 +95,7 @@ def ik_runner(args, modes: list[Mode], prompts: list[dict], prompt_ids: dict,
         yield None
         return
     from specmesh.runtime import ik_binding
-    from specmesh.runtime.llamacpp_engine import gguf_file
+    from specmesh.runtime.gguf_files import gguf_file
 
     path = gguf_file(args.target_model, progress=False)
     threads = args.threads or len(os.sched_getaffinity(0))

@@ -36,7 +36,7 @@ def baseline_bytes(args, modes: list[Mode], worker_weights: dict) -> int:
         total += hf_model("drafter")
     llama_modes = [m for m in modes if m.kind in ("llamacpp", "ik")]
     if llama_modes:
-        from specmesh.runtime.llamacpp_engine import gguf_file
+        from specmesh.runtime.gguf_files import gguf_file
 
         total += len(llama_modes) * gguf_file(args.target_model, progress=False).stat().st_size
     return total

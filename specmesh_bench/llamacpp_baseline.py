@@ -31,7 +31,8 @@ def llamacpp_runner(args, modes: list[Mode], prompts: list[dict], prompt_ids: di
     import llama_cpp
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
-    from specmesh.runtime.llamacpp_engine import default_model_params_without_extra_buffers, gguf_file
+    from specmesh.runtime.gguf_files import gguf_file
+    from specmesh.runtime.llamacpp_engine import default_model_params_without_extra_buffers
 
     path = gguf_file(args.target_model, progress=False)
     threads = args.threads or len(os.sched_getaffinity(0))

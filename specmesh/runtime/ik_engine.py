@@ -44,24 +44,18 @@ A drafter need not be exact (`exact=False`): it keeps one-row passes, the fastes
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import weakref
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
 from specmesh.runtime import ik_binding
-from specmesh.runtime.kv_cache import check_batch, reusable_length
-from specmesh.runtime.llamacpp_engine import file_type, gguf_engine_inputs
-from specmesh.runtime.model_thread import ModelThread
+from specmesh.runtime.gguf_engine import GgufEngine, GgufSequence
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 DEFAULT_SESSION_CELLS = 4096  # a session's longest history unless --max-context-length says otherwise
 DEFAULT_KV_BUDGET_CELLS = 32768  # KV cells of all contexts together: 0.9 GiB on the 1.5B default target
@@ -86,56 +80,30 @@ MAX_REPACKED_PASS_TOKENS = 31
 SEQ_ID = 0  # a context holds one session, always this sequence id
 
 
-@dataclass
-class _Idle:
-    """A context no session holds, with the tokens its cells still hold (a prefix cache entry)."""
-
-    tokens: list[int]
-    last_used: int
-
-
-class IkSequence:
+class IkSequence(GgufSequence):
     """One session's tokens in a llama context of its own, bound on its first pass."""
 
     def __init__(self, engine: IkLlamaEngine) -> None:
-        self.engine = engine
+        super().__init__(engine)
         self.context: int | None = None  # the llama context handle; None until a pass needs one, or when evicted
-        self.cached_tokens: list[int] = []
-        self.last_used = 0  # engine clock tick of its last pass: the least recently used give their cells up first
-
-    def rollback(self, length: int) -> None:
-        if len(self.cached_tokens) > length:
-            if self.context is not None:
-                self.engine.remove_cells(self, length)
-            del self.cached_tokens[length:]
-
-    def reusable_length(self, sequence: Sequence[int], last_n: int) -> int:
-        return reusable_length(self.cached_tokens, sequence, last_n)
-
-    def logits_for(self, sequence: Sequence[int], last_n: int) -> torch.Tensor:
-        return self.engine.batched_logits([self], [sequence], [last_n])[0]
-
-    @property
-    def num_bytes(self) -> int:
-        return len(self.cached_tokens) * self.engine.kv_bytes_per_token
 
 
-class IkLlamaEngine:
+class IkLlamaEngine(GgufEngine):
     engine = "ik"
+    runtime = "ik_llama.cpp"
     deterministic = True  # one pass per session, and a k-token pass gives the bits of k one-token passes
-    linear_backend = ""  # ik_llama.cpp's own kernels
 
     def __init__(self, spec: str, path: Path, tokenizer, fingerprint: str, *, device: str = "cpu",
                  threads: int | None = None, max_sessions: int = 64, context_length: int | None = None,
                  kv_budget_cells: int = DEFAULT_KV_BUDGET_CELLS, repack: bool = True,
                  prefix_cache: bool = True, exact: bool = True) -> None:
         lib = ik_binding.bind()
-        self._lib, api = lib, lib.api
+        self._lib = lib  # the package's api and the calls it lacks (ik_binding.py)
+        self._api = api = lib.api
         if device != "cpu" and not lib.supports_gpu_offload():
             raise ValueError("this ik_llama.cpp build has no GPU offload (the PyPI wheel is CPU-only): install the "
                              "binding's CUDA wheel, or use --engine llamacpp built with CUDA, or --device cpu")
-        torch.set_num_threads(1)  # torch only samples a few logits rows here; llama's threads own the cores
-        self._thread = ModelThread("ik-forward")
+        super().__init__("ik-forward", threads, prefix_cache)
         model_params = api.llama_model_default_params()
         model_params.n_gpu_layers = 0 if device == "cpu" else 999
         model_params.repack_tensors = repack  # about 2x faster; exact as long as no pass has one row (docstring)
@@ -146,15 +114,10 @@ class IkLlamaEngine:
         self._vocab = api.llama_model_get_vocab(self._model)
         n_ctx_train = lib.n_ctx_train(self._model)
         self.session_cells = context_length or min(n_ctx_train or DEFAULT_SESSION_CELLS, DEFAULT_SESSION_CELLS)
-        self.threads = threads or len(os.sched_getaffinity(0))
         # As many one-session contexts as the budget holds; at least 2 (a verifier's cost probe and a client), at
         # most MAX_CONTEXTS. More sessions than that take turns (LRU).
         self.max_contexts = min(MAX_CONTEXTS, max(2, kv_budget_cells // self.session_cells), max_sessions + 1)
-        self._contexts: list[int] = []
-        self._idle: dict[int, _Idle] = {}  # contexts no session holds -> the tokens their cells keep
-        self.prefix_cache = prefix_cache  # off: a session never starts from another's cells (benchmarks of decoding)
-        self.prefix_hits = 0  # sessions that started from an idle context's cached prefix
-        self.prefix_reused_tokens = 0  # tokens those sessions did not have to compute
+        self._contexts: list[int] = []  # every context made; those no session holds are prefix cache entries
         self.repack = repack
         self.exact = exact
         # Rows of a pass, at least: with repack one row takes another kernel than two or more (module docstring).
@@ -162,39 +125,18 @@ class IkLlamaEngine:
         self.max_pass_tokens = MAX_REPACKED_PASS_TOKENS if repack else MAX_PASS_TOKENS
         self._batch_rows = self.max_pass_tokens + (self.min_pass_rows - 1)  # room for a padding row
         self._batch = api.llama_batch_init(self._batch_rows, 0, 1)
-        self._closed = False
 
-        self.name = spec
-        self.path = path
-        self.tokenizer = tokenizer
-        self.fingerprint = fingerprint
-        self.vocab_size = api.llama_vocab_n_tokens(self._vocab)
-        self.eos_token_ids = self._eos_ids(tokenizer)
-        self.device = "cpu" if device == "cpu" else "cuda"
-        self.dtype = file_type(self._describe())
-        self.has_chat_template = bool(getattr(tokenizer, "chat_template", None))
-        self.context_limit = min(self.session_cells, n_ctx_train) if n_ctx_train > 0 else self.session_cells
+        self._set_info(spec, path, tokenizer, fingerprint, device, self.session_cells, n_ctx_train)
         self.max_batch_size = 1  # one pass per session (see the module docstring): nothing to batch
         self.kv_bytes_per_token = ik_binding.kv_bytes_per_token(lib, self._model)
         self.weights_bytes = lib.model_size(self._model)
         self.build = ik_binding.build_description(repack)
 
-        self._released: list[tuple[int, list[int]]] = []  # (context, cached tokens) of dropped sessions
         self._live: weakref.WeakSet[IkSequence] = weakref.WeakSet()
-        self._clock = 0
-        self._lock = threading.RLock()
-
-    @classmethod
-    def load(cls, spec: str, device: str = "auto", dtype: str = "auto", threads: int | None = None,
-             max_sessions: int = 64, context_length: int | None = None, progress: bool = True,
-             repack: bool = True, prefix_cache: bool = True, exact: bool = True) -> IkLlamaEngine:
-        path, tokenizer, fingerprint, device = gguf_engine_inputs("ik_llama.cpp", spec, device, dtype, threads,
-                                                                  progress)
-        return cls(spec, path, tokenizer, fingerprint, device=device, threads=threads, max_sessions=max_sessions,
-                   context_length=context_length, repack=repack, prefix_cache=prefix_cache, exact=exact)
 
     def _new_context(self) -> int:
-        api = self._lib.api
+        """An empty context, a prefix cache entry until a session takes it."""
+        api = self._api
         params = api.llama_context_default_params()
         params.n_ctx = self.session_cells
         params.n_batch = params.n_ubatch = self._batch_rows
@@ -208,57 +150,41 @@ class IkLlamaEngine:
                 raise RuntimeError(f"ik_llama.cpp could not create a context of {self.session_cells} cells")
             _process_contexts += 1
         self._contexts.append(handle)
+        self._prefixes.add(handle, [], handle)
         return handle
 
     def _may_add_context(self) -> bool:
         return len(self._contexts) < self.max_contexts and _process_contexts < PROCESS_MAX_CONTEXTS
 
-    def _describe(self) -> str:
-        import ctypes
-
-        buffer = ctypes.create_string_buffer(256)
-        self._lib.api.llama_model_desc(self._model, buffer, ctypes.sizeof(buffer))
-        return buffer.value.decode(errors="replace")
-
-    def _eos_ids(self, tokenizer) -> tuple[int, ...]:
-        ids = {self._lib.vocab_eos(self._vocab), self._lib.token_eot(self._model),
-               getattr(tokenizer, "eos_token_id", None)}
-        return tuple(sorted(i for i in ids if i is not None and i >= 0))
+    def _gguf_eos_ids(self) -> tuple[int, int]:
+        return self._lib.vocab_eos(self._vocab), self._lib.token_eot(self._model)
 
     @property
     def contexts_in_use(self) -> int:
-        return len(self._contexts) - len(self._idle) - len(self._released)  # released: idle from the next pass on
-
-    def cached_prefixes(self) -> list[list[int]]:
-        """The token sequences the idle contexts keep (the prefix cache), most recently used last."""
-        with self._lock:
-            self._free_released()
-            return [list(idle.tokens) for idle in sorted(self._idle.values(), key=lambda idle: idle.last_used)]
+        return len(self._contexts) - len(self._prefixes) - len(self._released)  # released: idle from the next pass on
 
     # ------------------------------------------------------------------ sessions
 
     def new_sequence(self) -> IkSequence:
         with self._lock:
-            self._free_released()
+            self._take_released()
             sequence = IkSequence(self)
             self._live.add(sequence)
             return sequence
 
     def _bind(self, sequence: IkSequence, context: int) -> None:
         sequence.context = context
-        sequence.cached_tokens = self._idle.pop(context).tokens  # the cells' tokens: the session starts from them
+        sequence.cached_tokens = self._prefixes.pop(context).tokens  # the cells' tokens: the session starts from them
         if not self.prefix_cache:
             sequence.rollback(0)
-        # A dropped session (ended, evicted, expired) hands its context back with its tokens (a prefix cache entry),
-        # taken on the model thread, never from whichever thread happened to drop the last reference. The finalizer
-        # holds the token list, not the session.
-        sequence._finalizer = weakref.finalize(sequence, self._released.append, (context, sequence.cached_tokens))
+        # A dropped session (ended, evicted, expired) hands its context back with its tokens (a prefix cache entry).
+        sequence._finalizer = self._release_when_dropped(sequence, context)
 
     def _unbind(self, sequence: IkSequence) -> None:
         """Take a session's context away (eviction): its cells stay as a prefix cache entry, its history stays with
         its session (whose next call may well find its own prefix there again)."""
         sequence._finalizer.detach()
-        self._idle[sequence.context] = _Idle(sequence.cached_tokens, self._clock)
+        self._prefixes.add(sequence.context, sequence.cached_tokens, sequence.context)
         sequence.context = None
         sequence.cached_tokens = []
 
@@ -271,19 +197,25 @@ class IkLlamaEngine:
         with self._lock:
             if self._closed or not self.prefix_cache:  # without the prefix cache, any idle context is a spare
                 return False
-            self._free_released()
-            if any(not idle.tokens for idle in self._idle.values()) or not self._may_add_context():
+            self._take_released()
+            if self._spare_context() is not None or not self._may_add_context():
                 return False
-            self._idle[self._new_context()] = _Idle([], self._clock)
+            self._new_context()
             return True
 
-    def _free_released(self) -> None:
+    def _spare_context(self) -> int | None:
+        """An idle context that holds no tokens (kept by keep_spare_context), if there is one."""
+        return next((entry.handle for entry in self._prefixes if not entry.tokens), None)
+
+    def _take_released(self) -> None:
         while self._released:
             context, tokens = self._released.pop()
-            self._idle[context] = _Idle(tokens, self._clock)
+            self._prefixes.add(context, tokens, context)
 
     def remove_cells(self, sequence: IkSequence, start: int) -> None:
         with self._lock:
+            if sequence.context is None:  # evicted: its cells went with its context
+                return
             if not self._lib.kv_cache_seq_rm(sequence.context, SEQ_ID, start, -1):
                 raise RuntimeError(f"ik_llama.cpp could not remove cells past {start}")
 
@@ -294,18 +226,13 @@ class IkLlamaEngine:
         (not one of this call's)."""
         if sequence.context is not None:
             return
-        best, best_length = None, 0
-        for context, idle in (self._idle.items() if self.prefix_cache else ()):
-            length = reusable_length(idle.tokens, tokens, last_n)
-            if length > best_length:
-                best, best_length = context, length
+        best, best_length = self._prefixes.longest(tokens, last_n) if self.prefix_cache else (None, 0)
         if best is None:  # a spare (keep_spare_context): made before this call needed it
-            best = next((context for context, idle in self._idle.items() if not idle.tokens), None)
+            best = self._spare_context()
         # With the prefix cache, a new context keeps the idle ones' prefixes for later; without, an idle one will do.
-        if best is None and self._may_add_context() and (self.prefix_cache or not self._idle):
+        if best is None and self._may_add_context() and (self.prefix_cache or not self._prefixes):
             best = self._new_context()
-            self._idle[best] = _Idle([], self._clock)
-        if best is None and not self._idle:
+        if best is None and not self._prefixes:
             kept = {id(s) for s in call}
             holders = [s for s in list(self._live) if s.context is not None and id(s) not in kept]
             if not holders:
@@ -313,46 +240,30 @@ class IkLlamaEngine:
             victim = min(holders, key=lambda s: s.last_used)
             log.info("ik_llama.cpp KV budget full: a session of %d tokens gave its context up",
                      len(victim.cached_tokens))
-            self._unbind(victim)
-            best = next(iter(self._idle))  # the victim's context: the only idle one
-            best_length = reusable_length(self._idle[best].tokens, tokens, last_n) if self.prefix_cache else 0
+            best = victim.context
+            self._unbind(victim)  # its context is now the only idle one
+            best_length = self._prefixes.longest(tokens, last_n)[1] if self.prefix_cache else 0
         if best is None:
-            best = min(self._idle, key=lambda context: self._idle[context].last_used)
+            best = self._prefixes.least_recent()
         if best_length:
-            self.prefix_hits += 1
-            self.prefix_reused_tokens += best_length
+            self._prefixes.resumed(best, best_length)  # counts the hit and the tokens it saves
         self._bind(sequence, best)
 
     # ------------------------------------------------------------------ forward
 
-    def release_tokenizer(self) -> None:
-        self.tokenizer = None
-
-    def run_on_model_thread(self, fn: Callable[..., T], *args: Any) -> T:
-        return self._thread.run(fn, *args)
-
-    def batched_logits(self, sequences: Sequence[IkSequence], requests: Sequence[Sequence[int]],
-                       last_ns: Sequence[int]) -> list[torch.Tensor]:
-        check_batch(sequences, requests, last_ns, self.context_limit)
-        return self._thread.run(self._forward, list(sequences), [list(r) for r in requests], list(last_ns))
-
     def _forward(self, sequences: list[IkSequence], requests: list[list[int]],
                  last_ns: list[int]) -> list[torch.Tensor]:
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("the ik_llama.cpp engine is closed")
-            self._free_released()
-            self._clock += 1
-            results = []
-            for sequence, tokens, last_n in zip(sequences, requests, last_ns):  # a pass per session, each alone
-                self._context_for(sequence, tokens, last_n, sequences)
-                results.append(self._decode(sequence, tokens, last_n))
-            return results
+        self._clock += 1
+        results = []
+        for sequence, tokens, last_n in zip(sequences, requests, last_ns):  # a pass per session, each alone
+            self._context_for(sequence, tokens, last_n, sequences)
+            results.append(self._decode(sequence, tokens, last_n))
+        return results
 
     def _decode(self, sequence: IkSequence, tokens: list[int], last_n: int) -> torch.Tensor:
         """The tokens of `tokens` the session's cache lacks, in passes of at most max_pass_tokens and at least
         min_pass_rows rows; the logits of its last `last_n` positions."""
-        api = self._lib.api
+        api = self._api
         sequence.rollback(sequence.reusable_length(tokens, last_n))
         if len(tokens) - len(sequence.cached_tokens) < self.min_pass_rows and sequence.cached_tokens:
             sequence.rollback(len(sequence.cached_tokens) - 1)  # one new token: its pass recomputes the previous cell
@@ -389,19 +300,14 @@ class IkLlamaEngine:
         sequence.last_used = self._clock
         return torch.from_numpy(rows)
 
-    def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            api = self._lib.api
-            api.llama_batch_free(self._batch)
-            global _process_contexts
-            with _process_lock:
-                for context in self._contexts:
-                    api.llama_free(context)
-                _process_contexts -= len(self._contexts)
-            api.llama_free_model(self._model)
+    def _free(self) -> None:
+        self._api.llama_batch_free(self._batch)
+        global _process_contexts
+        with _process_lock:
+            for context in self._contexts:
+                self._api.llama_free(context)
+            _process_contexts -= len(self._contexts)
+        self._api.llama_free_model(self._model)
 
 
 def pass_sizes(tokens: int, most: int) -> list[int]:

@@ -17,26 +17,19 @@ not hidden.
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import os
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
-from specmesh.runtime import catalog
-from specmesh.runtime.kv_cache import check_batch, reusable_length
-from specmesh.runtime.model_thread import ModelThread
-from specmesh.runtime.prefix_cache import PrefixCacheCounters, PrefixIndex
+from specmesh.runtime.gguf_engine import GgufEngine, GgufSequence
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 DEFAULT_CONTEXT_CELLS = 16384  # KV cells shared by all sessions unless --max-context-length says otherwise
 _backend_ready = threading.Lock()
@@ -93,84 +86,25 @@ def default_model_params_without_extra_buffers():
         low_level.llama_model_default_params = plain
 
 
-def gguf_file(spec: str, progress: bool = True) -> Path:
-    """The GGUF file of a catalog name (fetched and verified) or a .gguf path."""
-    from specmesh.runtime.models import gguf_source
 
-    if spec in catalog.CATALOG:
-        catalog.fetch(spec, progress=progress)
-    source = gguf_source(spec)
-    if source is None:
-        raise ValueError(f"the llama.cpp engine runs GGUF files: {spec!r} is neither a catalog name nor a .gguf path")
-    return source[0]
-
-
-def gguf_engine_inputs(runtime: str, spec: str, device: str, dtype: str, threads: int | None,
-                       progress: bool) -> tuple[Path, Any, str, str]:
-    """What a GGUF engine (llama.cpp, ik_llama.cpp) is built from, its arguments checked: (the GGUF file, the
-    tokenizer (loaded on first use: a worker reads only its cached fingerprint, eos id and chat template), its
-    fingerprint, the resolved device type)."""
-    from specmesh.runtime.devices import resolve_device
-    from specmesh.runtime.tokenizer import GgufTokenizer
-
-    if dtype != "auto":
-        raise ValueError(f"--dtype {dtype} applies to the transformers engine; {runtime} runs the GGUF's own "
-                         "(quantized) weights")
-    if threads is not None and threads < 1:
-        raise ValueError(f"threads must be >= 1, got {threads}")
-    path = gguf_file(spec, progress)
-    tokenizer = GgufTokenizer(spec, progress=progress)
-    return path, tokenizer, tokenizer.fingerprint, resolve_device(device).type
-
-
-def file_type(description: str) -> str:
-    """The weights' type from llama.cpp's model description ("qwen2 1.5B Q5_K - Medium" -> "Q5_K_M"; the description
-    is architecture, size, file type)."""
-    name = " ".join(description.split()[2:])
-    for long, short in ((" - Small", "_S"), (" - Medium", "_M"), (" - Large", "_L")):
-        name = name.replace(long, short)
-    return name.replace(" ", "") or "gguf"
-
-
-class LlamaSequence:
+class LlamaSequence(GgufSequence):
     """One session's tokens in the shared llama context (a sequence id), with explicit rollback."""
 
     def __init__(self, engine: LlamaCppEngine, seq_id: int) -> None:
-        self.engine = engine
+        super().__init__(engine)
         self.seq_id = seq_id
-        self.cached_tokens: list[int] = []
-        self.last_used = 0  # engine clock tick of its last forward: the least recently used lose their cells first
-
-    def rollback(self, length: int) -> None:
-        if len(self.cached_tokens) > length:
-            self.engine.remove_cells(self, length)
-            del self.cached_tokens[length:]
-
-    def reusable_length(self, sequence: Sequence[int], last_n: int) -> int:
-        return reusable_length(self.cached_tokens, sequence, last_n)
-
-    def logits_for(self, sequence: Sequence[int], last_n: int) -> torch.Tensor:
-        return self.engine.batched_logits([self], [sequence], [last_n])[0]
-
-    @property
-    def num_bytes(self) -> int:
-        return len(self.cached_tokens) * self.engine.kv_bytes_per_token
 
 
-class LlamaCppEngine(PrefixCacheCounters):
+class LlamaCppEngine(GgufEngine):
     engine = "llamacpp"
+    runtime = "llama.cpp"
     deterministic = False  # no such mode: passes round by shape, and sessions share one pool of cells
-    linear_backend = ""  # llama.cpp's own kernels: no choice of linear layers to make
 
     def __init__(self, spec: str, path: Path, tokenizer, fingerprint: str, *, device: str = "cpu",
                  threads: int | None = None, max_sessions: int = 64, context_length: int | None = None,
                  max_batch_size: int = 64, prefix_cache: bool = True) -> None:
-        llama_cpp = _llama()
-        self._lib = llama_cpp
-        # torch only handles a few logits rows here (sampling, acceptance): one thread. Its own OpenMP team would
-        # otherwise wake for those small ops and spin on the same cores as llama.cpp's threads.
-        torch.set_num_threads(1)
-        self._thread = ModelThread("llamacpp-forward")
+        self._api = llama_cpp = _llama()
+        super().__init__("llamacpp-forward", threads, prefix_cache)
         model_params = llama_cpp.llama_model_default_params()
         model_params.n_gpu_layers = 0 if device == "cpu" else -1
         model_params.use_extra_bufts = extra_buffer_types_safe()
@@ -180,14 +114,13 @@ class LlamaCppEngine(PrefixCacheCounters):
         self._vocab = llama_cpp.llama_model_get_vocab(self._model)
         n_ctx_train = llama_cpp.llama_model_n_ctx_train(self._model)
         cells = context_length or min(n_ctx_train, DEFAULT_CONTEXT_CELLS)
-        n_threads = threads or len(os.sched_getaffinity(0))
         self.max_sequences = min(max_sessions + 8, llama_cpp.llama_max_parallel_sequences())
         params = llama_cpp.llama_context_default_params()
         params.n_ctx = cells
         params.n_batch = cells  # one llama_decode may carry a whole prompt; llama.cpp splits it into ubatches
         params.n_seq_max = self.max_sequences
         params.kv_unified = True  # one pool of cells for all sessions, whatever their lengths
-        params.n_threads = params.n_threads_batch = n_threads
+        params.n_threads = params.n_threads_batch = self.threads
         params.no_perf = True
         self._ctx = llama_cpp.llama_init_from_model(self._model, params)
         if not self._ctx:
@@ -195,83 +128,42 @@ class LlamaCppEngine(PrefixCacheCounters):
             raise ValueError(f"llama.cpp could not create a context of {cells} cells for {path}")
         self._memory = llama_cpp.llama_get_memory(self._ctx)
         self._batch = llama_cpp.llama_batch_init(cells, 0, 1)
-        self._closed = False
 
-        self.name = spec
-        self.path = path
-        self.tokenizer = tokenizer
-        self.fingerprint = fingerprint
-        self.vocab_size = llama_cpp.llama_vocab_n_tokens(self._vocab)
-        self.eos_token_ids = self._eos_ids(tokenizer)
-        self.device = "cpu" if device == "cpu" else "cuda"
-        self.dtype = file_type(self._describe())
-        self.has_chat_template = bool(getattr(tokenizer, "chat_template", None))
-        self.context_limit = min(cells, n_ctx_train) if n_ctx_train > 0 else cells
+        self._set_info(spec, path, tokenizer, fingerprint, device, cells, n_ctx_train)
         self.max_batch_size = max_batch_size
-        self.threads = n_threads
         n_layer = llama_cpp.llama_model_n_layer(self._model)
         head_dim = llama_cpp.llama_model_n_embd(self._model) // max(1, llama_cpp.llama_model_n_head(self._model))
         # K and V, f16, every layer, the key/value heads only (GQA).
         self.kv_bytes_per_token = n_layer * 2 * llama_cpp.llama_model_n_head_kv(self._model) * head_dim * 2
         self.weights_bytes = llama_cpp.llama_model_size(self._model)
 
-        self._free_ids = list(range(self.max_sequences - 1, -1, -1))
-        # Dropped sessions' (id, tokens) whose cells are not yet removed or kept as a prefix cache entry.
-        self._released: list[tuple[int, list[int]]] = []
-        self.prefix_cache = prefix_cache  # off: a session never starts from another's cells (benchmarks of decoding)
-        self._prefixes: PrefixIndex[int] = PrefixIndex()  # idle sequence ids (their cells stay), keyed by id
+        self._free_ids = list(range(self.max_sequences - 1, -1, -1))  # ids neither a session nor a cached prefix holds
         self._live: weakref.WeakValueDictionary[int, LlamaSequence] = weakref.WeakValueDictionary()
-        self._clock = 0
-        self._lock = threading.RLock()  # every llama call; the model thread is the only caller in practice
 
-    @classmethod
-    def load(cls, spec: str, device: str = "auto", dtype: str = "auto", threads: int | None = None,
-             max_sessions: int = 64, context_length: int | None = None, progress: bool = True,
-             prefix_cache: bool = True) -> LlamaCppEngine:
-        path, tokenizer, fingerprint, device = gguf_engine_inputs("llama.cpp", spec, device, dtype, threads, progress)
-        return cls(spec, path, tokenizer, fingerprint, device=device, threads=threads, max_sessions=max_sessions,
-                   context_length=context_length, prefix_cache=prefix_cache)
-
-    def _describe(self) -> str:
-        buffer = ctypes.create_string_buffer(256)
-        self._lib.llama_model_desc(self._model, buffer, ctypes.sizeof(buffer))
-        return buffer.value.decode(errors="replace")
-
-    def _eos_ids(self, tokenizer) -> tuple[int, ...]:
-        """The GGUF's end-of-sequence and end-of-turn tokens, and the tokenizer's eos (what transformers reads)."""
-        ids = {self._lib.llama_vocab_eos(self._vocab), self._lib.llama_vocab_eot(self._vocab),
-               getattr(tokenizer, "eos_token_id", None)}
-        return tuple(sorted(i for i in ids if i is not None and i >= 0))
+    def _gguf_eos_ids(self) -> tuple[int, int]:
+        return self._api.llama_vocab_eos(self._vocab), self._api.llama_vocab_eot(self._vocab)
 
     # ------------------------------------------------------------------ sessions
 
-    def cached_prefixes(self) -> list[list[int]]:
-        """The token sequences idle sequence ids keep (the prefix cache), least recently used first."""
-        with self._lock:
-            self._remove_released()
-            return self._prefixes.prefixes()
-
     def new_sequence(self) -> LlamaSequence:
         with self._lock:
-            self._remove_released()
+            self._take_released()
             if not self._free_ids and not self._drop_least_recent_prefix():
                 raise RuntimeError(f"all {self.max_sequences} llama.cpp sequences are in use")
             seq_id = self._free_ids.pop()
             sequence = LlamaSequence(self, seq_id)
             self._live[seq_id] = sequence
-            # A dropped session (ended, evicted, expired) hands its id and tokens back; its cells become a prefix
-            # cache entry (or are removed) before the next decode, on the model thread, never from whichever thread
-            # happened to drop the last reference. The finalizer holds the token list, not the session.
-            weakref.finalize(sequence, self._released.append, (seq_id, sequence.cached_tokens))
+            # Its cells become a prefix cache entry (or are removed) before the next decode.
+            self._release_when_dropped(sequence, seq_id)
             return sequence
 
-    def _remove_released(self) -> None:
+    def _take_released(self) -> None:
         while self._released:
             seq_id, tokens = self._released.pop()
             if self.prefix_cache and tokens:
                 self._prefixes.add(seq_id, tokens, seq_id)  # its cells stay: a later session may start from them
             else:
-                self._lib.llama_memory_seq_rm(self._memory, seq_id, -1, -1)
+                self._api.llama_memory_seq_rm(self._memory, seq_id, -1, -1)
                 self._free_ids.append(seq_id)
 
     def _drop_least_recent_prefix(self) -> bool:
@@ -280,7 +172,7 @@ class LlamaCppEngine(PrefixCacheCounters):
         if dropped is None:
             return False
         seq_id = dropped[0]
-        self._lib.llama_memory_seq_rm(self._memory, seq_id, -1, -1)
+        self._api.llama_memory_seq_rm(self._memory, seq_id, -1, -1)
         self._free_ids.append(seq_id)
         return True
 
@@ -294,12 +186,12 @@ class LlamaCppEngine(PrefixCacheCounters):
         if key is None:
             return
         entry = self._prefixes.resumed(key, length)
-        self._lib.llama_memory_seq_cp(self._memory, entry.handle, sequence.seq_id, 0, length)
+        self._api.llama_memory_seq_cp(self._memory, entry.handle, sequence.seq_id, 0, length)
         sequence.cached_tokens[:] = entry.tokens[:length]  # in place: the finalizer holds this list
 
     def remove_cells(self, sequence: LlamaSequence, start: int) -> None:
         with self._lock:
-            if not self._lib.llama_memory_seq_rm(self._memory, sequence.seq_id, start, -1):
+            if not self._api.llama_memory_seq_rm(self._memory, sequence.seq_id, start, -1):
                 raise RuntimeError(f"llama.cpp could not remove cells past {start} of sequence {sequence.seq_id}")
 
     def _evict_for(self, keep: Sequence[LlamaSequence]) -> bool:
@@ -312,78 +204,59 @@ class LlamaCppEngine(PrefixCacheCounters):
         if not candidates:
             return False
         victim = min(candidates, key=lambda s: s.last_used)
-        self._lib.llama_memory_seq_rm(self._memory, victim.seq_id, -1, -1)
+        self._api.llama_memory_seq_rm(self._memory, victim.seq_id, -1, -1)
         victim.cached_tokens.clear()  # its history stays with its session: the next call recomputes the keys
         log.info("llama.cpp KV cells full: dropped the cached keys of sequence %d", victim.seq_id)
         return True
 
     # ------------------------------------------------------------------ forward
 
-    def release_tokenizer(self) -> None:
-        self.tokenizer = None
+    def _forward(self, sequences: list[LlamaSequence], requests: list[list[int]],
+                 last_ns: list[int]) -> list[torch.Tensor]:
+        """One llama_decode over every session's new tokens."""
+        api = self._api
+        fresh = []
+        for sequence, tokens, last_n in zip(sequences, requests, last_ns):
+            self._resume_from_prefix(sequence, tokens, last_n)
+            sequence.rollback(sequence.reusable_length(tokens, last_n))
+            fresh.append(tokens[len(sequence.cached_tokens):])
+        batch = self._batch
+        outputs: list[list[int]] = []  # per row, the batch indices whose logits it wants
+        n = 0
+        for sequence, tokens, last_n in zip(sequences, fresh, last_ns):
+            start = len(sequence.cached_tokens)
+            for j, token in enumerate(tokens):
+                batch.token[n] = token
+                batch.pos[n] = start + j
+                batch.n_seq_id[n] = 1
+                batch.seq_id[n][0] = sequence.seq_id
+                batch.logits[n] = j >= len(tokens) - last_n
+                n += 1
+            outputs.append(list(range(n - last_n, n)))
+        batch.n_tokens = n
+        while True:
+            status = api.llama_decode(self._ctx, batch)
+            if status == 1 and self._evict_for(sequences):
+                continue  # no free KV cells: retry after dropping another session's keys
+            break
+        if status != 0:
+            # A failed decode may leave part of the batch in the cache: drop these rows' cells entirely.
+            for sequence in sequences:
+                sequence.rollback(0)
+            raise RuntimeError(f"llama_decode failed with status {status}"
+                               + (" (KV cells full: raise --max-context-length)" if status == 1 else ""))
+        self._clock += 1
+        results = []
+        for sequence, tokens, wanted in zip(sequences, fresh, outputs):
+            sequence.cached_tokens.extend(tokens)
+            sequence.last_used = self._clock
+            rows = np.empty((len(wanted), self.vocab_size), dtype=np.float32)
+            for r, index in enumerate(wanted):
+                rows[r] = np.ctypeslib.as_array(api.llama_get_logits_ith(self._ctx, index), shape=(self.vocab_size,))
+            results.append(torch.from_numpy(rows))
+        return results
 
-    def run_on_model_thread(self, fn: Callable[..., T], *args: Any) -> T:
-        return self._thread.run(fn, *args)
-
-    def batched_logits(self, sequences: Sequence[LlamaSequence], requests: Sequence[Sequence[int]],
-                       last_ns: Sequence[int]) -> list[torch.Tensor]:
-        check_batch(sequences, requests, last_ns, self.context_limit)
-        return self._thread.run(self._decode, list(sequences), [list(r) for r in requests], list(last_ns))
-
-    def _decode(self, sequences: list[LlamaSequence], requests: list[list[int]],
-                last_ns: list[int]) -> list[torch.Tensor]:
-        lib = self._lib
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("the llama.cpp engine is closed")
-            self._remove_released()
-            fresh = []
-            for sequence, tokens, last_n in zip(sequences, requests, last_ns):
-                self._resume_from_prefix(sequence, tokens, last_n)
-                sequence.rollback(sequence.reusable_length(tokens, last_n))
-                fresh.append(tokens[len(sequence.cached_tokens):])
-            batch = self._batch
-            outputs: list[list[int]] = []  # per row, the batch indices whose logits it wants
-            n = 0
-            for sequence, tokens, last_n in zip(sequences, fresh, last_ns):
-                start = len(sequence.cached_tokens)
-                for j, token in enumerate(tokens):
-                    batch.token[n] = token
-                    batch.pos[n] = start + j
-                    batch.n_seq_id[n] = 1
-                    batch.seq_id[n][0] = sequence.seq_id
-                    batch.logits[n] = j >= len(tokens) - last_n
-                    n += 1
-                outputs.append(list(range(n - last_n, n)))
-            batch.n_tokens = n
-            while True:
-                status = lib.llama_decode(self._ctx, batch)
-                if status == 1 and self._evict_for(sequences):
-                    continue  # no free KV cells: retry after dropping another session's keys
-                break
-            if status != 0:
-                # A failed decode may leave part of the batch in the cache: drop these rows' cells entirely.
-                for sequence in sequences:
-                    sequence.rollback(0)
-                raise RuntimeError(f"llama_decode failed with status {status}"
-                                   + (" (KV cells full: raise --max-context-length)" if status == 1 else ""))
-            self._clock += 1
-            results = []
-            for sequence, tokens, wanted in zip(sequences, fresh, outputs):
-                sequence.cached_tokens.extend(tokens)
-                sequence.last_used = self._clock
-                rows = np.empty((len(wanted), self.vocab_size), dtype=np.float32)
-                for r, index in enumerate(wanted):
-                    rows[r] = np.ctypeslib.as_array(lib.llama_get_logits_ith(self._ctx, index),
-                                                    shape=(self.vocab_size,))
-                results.append(torch.from_numpy(rows))
-            return results
-
-    def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            self._lib.llama_batch_free(self._batch)
-            self._lib.llama_free(self._ctx)
-            self._lib.llama_model_free(self._model)
+    def _free(self) -> None:
+        self._api.llama_batch_free(self._batch)
+        self._api.llama_free(self._ctx)
+        self._api.llama_model_free(self._model)

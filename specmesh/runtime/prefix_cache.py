@@ -64,10 +64,16 @@ class PrefixIndex(Generic[H]):
     def pop(self, key: object) -> CachedPrefix[H]:
         return self._entries.pop(key)
 
-    def pop_least_recent(self) -> tuple[object, CachedPrefix[H]] | None:
+    def least_recent(self) -> object | None:
+        """The key of the least recently used entry; None when there is none."""
         if not self._entries:
             return None
-        key = min(self._entries, key=lambda k: self._entries[k].last_used)
+        return min(self._entries, key=lambda k: self._entries[k].last_used)
+
+    def pop_least_recent(self) -> tuple[object, CachedPrefix[H]] | None:
+        key = self.least_recent()
+        if key is None:
+            return None
         return key, self._entries.pop(key)
 
     def prefixes(self) -> list[list[int]]:

@@ -1,4 +1,4 @@
-"""Load only the tokenizer of a model spec (the coordinator and the llama.cpp engine need text <-> ids, not the
+"""Load only the tokenizer of a model spec (the coordinator and the GGUF engines need text <-> ids, not the
 transformers weights); for a GGUF model, what a worker needs of it (fingerprint, eos id, chat template) without
 loading it (GgufTokenizer)."""
 

@@ -69,7 +69,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser, default_model: str) -> 
                         "auto = onednn on CPU where it supports the dtype")
     add_huge_pages_argument(parser)
     parser.add_argument("--threads", type=int, default=None,
-                        help="CPU threads of the model (default: torch's choice; llama.cpp: the usable cores)")
+                        help="CPU threads of the model (default: torch's choice; llamacpp, ik: the usable cores)")
     parser.add_argument("--max-sessions", type=int, default=64, help="KV-cache sessions kept, LRU-evicted")
     parser.add_argument("--session-ttl", type=float, default=600.0,
                         help="seconds an idle session's KV cache is kept")

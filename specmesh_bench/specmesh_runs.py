@@ -56,7 +56,9 @@ def specmesh_runner(args, modes: list[Mode], prompts: list[dict]) -> Iterator[Ru
         if not args.verifier:
             specs.append(LocalWorkerSpec("verifier", args.target_model, engine=engines["target"], **common))
         if need_model and not args.drafter:
-            specs.append(LocalWorkerSpec("drafter", args.draft_model, engine=engines["draft"], **common))
+            specs.append(LocalWorkerSpec("drafter", args.draft_model, engine=engines["draft"],
+                                         **{**common, "extra_args": (*common["extra_args"], "--requantize",
+                                                                     getattr(args, "draft_requantize", "auto"))}))
         # one at a time: each worker's cost probe (the cost policy's prior, measured once it is SERVING) runs on a
         # quiet machine, and the coordinators below start from the measured costs
         addresses = dict(stack.enter_context(local_workers(specs, one_at_a_time=True))) if specs else {}

@@ -1,4 +1,5 @@
-"""The real default pair (Qwen2.5-Coder 0.5B drafting for 1.5B, the GGUFs as shipped) on the ik_llama.cpp engine, in
+"""The real default pair (Qwen2.5-Coder 0.5B drafting for 1.5B: the target's GGUF as shipped, the drafter's requantized
+to q4_0 as drafter workers run it) on the ik_llama.cpp engine, in
 process: greedy speculative output equals the target's own one-token greedy decoding on every committed benchmark
 prompt, for every k from 1 to 8, pipelined and not; a second conversation turn resumed from the prefix cache and
 drafted hybrid stays exact; and a worker's engine survives many concurrent sessions of very
@@ -35,7 +36,9 @@ def pair():
     from specmesh.runtime.ik_engine import IkLlamaEngine
 
     target = IkLlamaEngine.load(DEFAULT_TARGET_MODEL, context_length=2048, max_sessions=8, progress=False)
-    draft = IkLlamaEngine.load(DEFAULT_DRAFT_MODEL, context_length=2048, max_sessions=8, progress=False)
+    # As a drafter worker loads it: one-row passes, and the q4_0 copy of the shipped file (requantize "auto").
+    draft = IkLlamaEngine.load(DEFAULT_DRAFT_MODEL, context_length=2048, max_sessions=8, progress=False, exact=False,
+                               requantize="auto")
     yield target, draft
     draft.close()
     target.close()
@@ -70,9 +73,7 @@ def test_with_repack_one_row_passes_differ_so_only_a_drafter_takes_them(pair):
     """Why the exact engine never runs a one-row pass: with repacked weights (the default) a one-row pass rounds
     differently from a multi-row one. A drafter's engine (exact=False) takes them anyway (its drafts are verified);
     the exact engine's steps equal its multi-row passes."""
-    from specmesh.runtime.ik_engine import IkLlamaEngine
-
-    _, exact = pair
+    exact, inexact = pair  # the target, and the drafter's engine
     prompt = chat_ids(exact, PROMPTS[0]["prompt"])
     tokens = prompt + list(range(2000, 2016))
 
@@ -83,13 +84,8 @@ def test_with_repack_one_row_passes_differ_so_only_a_drafter_takes_them(pair):
 
     assert exact.repack and exact.min_pass_rows == 2
     assert torch.equal(exact.new_sequence().logits_for(tokens, 16), stepped(exact))
-    inexact = IkLlamaEngine.load(DEFAULT_DRAFT_MODEL, context_length=2048, max_sessions=2, progress=False,
-                                 exact=False)
-    try:
-        assert inexact.min_pass_rows == 1
-        assert not torch.equal(inexact.new_sequence().logits_for(tokens, 16), stepped(inexact))
-    finally:
-        inexact.close()
+    assert inexact.repack and inexact.min_pass_rows == 1
+    assert not torch.equal(inexact.new_sequence().logits_for(tokens, 16), stepped(inexact))
 
 
 def test_many_concurrent_sessions_of_mixed_lengths_never_crash(pair):

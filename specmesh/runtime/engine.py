@@ -136,14 +136,20 @@ def as_engine(model: Any) -> ModelEngine:
 def load_engine(spec: str, engine: str = "auto", device: str = "auto", dtype: str = "auto",
                 linear_backend: str = "auto", threads: int | None = None, max_sessions: int = 64,
                 context_length: int | None = None, progress: bool = True, repack: bool = True,
-                prefix_cache: bool = True, deterministic: bool | None = None, exact: bool = True) -> ModelEngine:
+                prefix_cache: bool = True, deterministic: bool | None = None, exact: bool = True,
+                requantize: str | None = None) -> ModelEngine:
     """Load `spec` on the chosen engine. `context_length` caps a session's tokens (llama.cpp sizes its KV cache by
     it); `max_sessions` is how many sessions the engine must be able to hold at once; `repack` asks the ik engine for
     run-time repacked weights (about 2x faster), `prefix_cache` whether it resumes sessions from cached prefixes,
     `deterministic` whether answers must not depend on the load (docs/engines.md#determinism): None is on where the
     engine has the mode (transformers; ik always is) and off on llamacpp, which has none (True: ValueError);
-    `exact=False` (drafters) lets the ik engine run one-row passes, which round differently from its others."""
+    `exact=False` (drafters) lets the ik engine run one-row passes, which round differently from its others;
+    `requantize` a type ("q4_0"): a GGUF engine runs a cached copy of the file in it (specmesh/runtime/requantize.py)."""
     chosen = choose_engine(engine, spec, device, dtype)
+    if chosen == "transformers" and requantize not in (None, "auto", "none"):
+        raise ValueError(f"requantize {requantize} applies to the GGUF engines (ik, llamacpp), not to transformers")
+    if requantize == "none":
+        requantize = None
     if deterministic and chosen == "llamacpp":
         raise ValueError(NO_DETERMINISTIC_LLAMACPP)
     if deterministic is None:
@@ -157,12 +163,13 @@ def load_engine(spec: str, engine: str = "auto", device: str = "auto", dtype: st
 
         return IkLlamaEngine.load(spec, device=device, dtype=dtype, threads=threads, max_sessions=max_sessions,
                                   context_length=context_length, progress=progress, repack=repack,
-                                  prefix_cache=prefix_cache, exact=exact)
+                                  prefix_cache=prefix_cache, exact=exact, requantize=requantize)
     if chosen == "llamacpp":
         from specmesh.runtime.llamacpp_engine import LlamaCppEngine
 
         return LlamaCppEngine.load(spec, device=device, dtype=dtype, threads=threads, max_sessions=max_sessions,
-                                   context_length=context_length, progress=progress, prefix_cache=prefix_cache)
+                                   context_length=context_length, progress=progress, prefix_cache=prefix_cache,
+                                   requantize=requantize)
     from specmesh.runtime.models import load_model
     from specmesh.runtime.transformers_engine import TransformersEngine
 

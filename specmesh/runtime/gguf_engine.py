@@ -64,6 +64,10 @@ class GgufEngine(PrefixCacheCounters, ABC):
     _model: Any  # llama_model *
     _vocab: Any  # llama_vocab *
     kv_bytes_per_token: int
+    build = ""  # what runs, for Info and reports (the library's build; a requantized copy says so)
+    # Whether requantize="auto" narrows wide files here: on ik, whose repacked Q4_0 kernels measured fastest
+    # (docs/engines.md#a-cheaper-drafter); llama.cpp without its repack ran Q4_0 slower than the shipped K-quants.
+    requantize_auto = False
 
     def __init__(self, thread_name: str, threads: int | None, prefix_cache: bool) -> None:
         # torch only handles a few logits rows here (sampling, acceptance): one thread. Its own OpenMP team would
@@ -83,12 +87,23 @@ class GgufEngine(PrefixCacheCounters, ABC):
     @classmethod
     def load(cls, spec: str, device: str = "auto", dtype: str = "auto", threads: int | None = None,
              max_sessions: int = 64, context_length: int | None = None, progress: bool = True,
-             **options: Any) -> Self:
-        """`spec` (a catalog name or a .gguf path) on this engine; `options` are the engine's own (prefix_cache,
-        and on ik: repack, exact)."""
+             requantize: str | None = None, **options: Any) -> Self:
+        """`spec` (a catalog name or a .gguf path) on this engine; `requantize` a type (e.g. "q4_0"): run a cached
+        copy of the file in it (specmesh/runtime/requantize.py; drafters); `options` are the engine's own
+        (prefix_cache, and on ik: repack, exact)."""
         path, tokenizer, fingerprint, device = gguf_engine_inputs(cls.runtime, spec, device, dtype, threads, progress)
-        return cls(spec, path, tokenizer, fingerprint, device=device, threads=threads, max_sessions=max_sessions,
-                   context_length=context_length, **options)
+        if requantize is not None:
+            from specmesh.runtime import requantize as requantizing
+
+            if requantize == requantizing.AUTO:
+                requantize = requantizing.auto_type(path) if cls.requantize_auto else None
+            if requantize is not None:  # the tokenizer (and so the fingerprint) stays the source's
+                path = requantizing.requantized(path, requantize)
+        engine = cls(spec, path, tokenizer, fingerprint, device=device, threads=threads, max_sessions=max_sessions,
+                     context_length=context_length, **options)
+        if requantize is not None:
+            engine.build = f"{engine.build}, weights requantized to {engine.dtype}".lstrip(", ")
+        return engine
 
     def _set_info(self, spec: str, path: Path, tokenizer: Any, fingerprint: str, device: str, cells: int,
                   n_ctx_train: int) -> None:

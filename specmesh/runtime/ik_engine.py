@@ -92,6 +92,7 @@ class IkLlamaEngine(GgufEngine):
     engine = "ik"
     runtime = "ik_llama.cpp"
     deterministic = True  # one pass per session, and a k-token pass gives the bits of k one-token passes
+    requantize_auto = True  # its repacked Q4_0 kernels step fastest (gguf_engine.py)
 
     def __init__(self, spec: str, path: Path, tokenizer, fingerprint: str, *, device: str = "cpu",
                  threads: int | None = None, max_sessions: int = 64, context_length: int | None = None,

@@ -128,3 +128,13 @@ def unreachable(error: BaseException) -> bool:
     names = {cls.__name__ for cls in type(error).__mro__}
     return bool(names & {"TransportError", "ConnectionError", "ConnectError", "Timeout", "TimeoutException",
                          "OfflineModeIsEnabled"}) or isinstance(error, (ConnectionError, TimeoutError))
+
+
+def check_requantize(choice: str, flag: str) -> None:
+    """A requantize setting (a GGUF type, auto or none) before any worker starts: ValueError naming the flag."""
+    from specmesh.runtime.requantize import check_choice
+
+    try:
+        check_choice(choice)
+    except ValueError as e:
+        raise ValueError(f"{flag}: {e}") from None

@@ -67,8 +67,16 @@ class ModelConfig:
     # bfloat16 answers then vary with the load. None: on where the engine has the mode; llamacpp has none (it refuses
     # True).
     deterministic: bool | None = None
+    # GGUF engines: run a cached copy of the file with its weights requantized to this type ("q4_0"), or "auto"
+    # (q4_0 where the ik engine runs a file with wider weights); None or "none": the file as it is. Drafters take
+    # "auto" by default (drafter/cli.py): faster steps, nearly the same drafts (docs/engines.md#a-cheaper-drafter).
+    requantize: str | None = None
 
     def __post_init__(self) -> None:
+        if self.requantize is not None:
+            from specmesh.runtime.requantize import check_choice
+
+            object.__setattr__(self, "requantize", check_choice(self.requantize))
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         if self.linear_backend not in linear_backends.BACKENDS:
@@ -94,7 +102,7 @@ class ModelConfig:
                              linear_backend=self.linear_backend, threads=self.threads,
                              max_sessions=server.limits.max_sessions, context_length=server.max_context_length,
                              repack=self.repack, prefix_cache=self.prefix_cache, deterministic=self.deterministic,
-                             exact=exact)
+                             exact=exact, requantize=self.requantize)
         engine.release_tokenizer()  # the worker's own: nothing but the load needed it (a preloaded one may be shared)
         log_determinism(engine)
         return engine

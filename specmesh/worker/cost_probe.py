@@ -86,7 +86,7 @@ COST_CACHE_TTL_S = 6 * 3600
 
 
 def cost_cache_key(role: str, engine) -> dict | None:
-    """What a measured cost depends on: the model file, the engine and its threads, the CPU. None (measure every start)
+    """What a measured cost depends on: the model file, the engine, its build and threads, the CPU. None (measure every start)
     for engines without a model file of their own (transformers: tiny test models, hub ids) or with
     SPECMESH_COST_CACHE=0."""
     import platform
@@ -102,7 +102,9 @@ def cost_cache_key(role: str, engine) -> dict | None:
                platform.processor()) if os.path.exists("/proc/cpuinfo") else platform.processor()
     return {"role": role, "file": str(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
             "engine": engine.engine, "threads": getattr(engine, "threads", None), "cpu": cpu,
-            "cores": len(os.sched_getaffinity(0)), "version": 1}
+            "cores": len(os.sched_getaffinity(0)),
+            # the build and its kernels (ik: repack on or off; one-row passes or not): a step's cost depends on them
+            "build": getattr(engine, "build", ""), "exact": getattr(engine, "exact", True), "version": 1}
 
 
 def _cache_path(key: dict):

@@ -97,6 +97,8 @@ class GgufEngine(PrefixCacheCounters, ABC):
 
             if requantize == requantizing.AUTO:
                 requantize = requantizing.auto_type(path) if cls.requantize_auto else None
+            elif requantize == requantizing.NONE:
+                requantize = None
             if requantize is not None:  # the tokenizer (and so the fingerprint) stays the source's
                 path = requantizing.requantized(path, requantize)
         engine = cls(spec, path, tokenizer, fingerprint, device=device, threads=threads, max_sessions=max_sessions,

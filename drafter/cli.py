@@ -10,6 +10,7 @@ from drafter.config import METHODS, BatchingConfig, DrafterConfig
 from drafter.ngram import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM
 from drafter.service import DrafterRole
 from drafter.suffix import SuffixConfig
+from specmesh.runtime import requantize
 from specmesh.runtime.catalog import DEFAULT_DRAFT_MODEL
 from specmesh.runtime.engine import choose_engine
 from specmesh.worker.cli import RoleCommand, serve_main
@@ -75,8 +76,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def make_role(args: argparse.Namespace, model: ModelConfig) -> DrafterRole:
     if args.method == "model":  # the others load no weights
         model = dataclasses.replace(model, requantize=args.requantize)  # checks the value
-        if model.requantize not in ("auto", "none") and choose_engine(args.engine, args.model, args.device,
-                                                                      args.dtype) == "transformers":
+        asked_a_type = model.requantize not in (requantize.AUTO, requantize.NONE)
+        if asked_a_type and choose_engine(args.engine, args.model, args.device, args.dtype) == "transformers":
             raise ValueError(f"--requantize {args.requantize} applies to GGUF models on the ik or llamacpp engine; "
                              "this drafter runs transformers (give --requantize none)")
     return DrafterRole(DrafterConfig(model, method=args.method, vocab_size=args.vocab_size, ngram_min=args.ngram_min,

@@ -148,8 +148,6 @@ def load_engine(spec: str, engine: str = "auto", device: str = "auto", dtype: st
     chosen = choose_engine(engine, spec, device, dtype)
     if chosen == "transformers" and requantize not in (None, "auto", "none"):
         raise ValueError(f"requantize {requantize} applies to the GGUF engines (ik, llamacpp), not to transformers")
-    if requantize == "none":
-        requantize = None
     if deterministic and chosen == "llamacpp":
         raise ValueError(NO_DETERMINISTIC_LLAMACPP)
     if deterministic is None:

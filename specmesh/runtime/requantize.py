@@ -11,6 +11,7 @@ is unchanged.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import subprocess
@@ -61,8 +62,24 @@ def auto_type(path: Path) -> str | None:
     """What AUTO runs `path` as: AUTO_TYPE where its weights average wider (the default draft model: 5-bit blocks
     and an 8-bit output layer, 6.2 bits on average), else None (the file as it is: already 4-bit or narrower, or
     unreadable)."""
-    bits = weight_bits(path)
+    bits = cached_weight_bits(path)
     return AUTO_TYPE if bits is not None and bits > WIDER_THAN_AUTO_BITS else None
+
+
+def cached_weight_bits(path: Path) -> float | None:
+    """weight_bits of `path`, read once per source file: the gguf package parses the whole metadata, the tokenizer's
+    151k-token arrays included (7 seconds for the default draft model), which a worker should not pay every start."""
+    record = cache_path(path, "bits.json")
+    try:
+        return json.loads(record.read_text())["bits"]
+    except (OSError, ValueError, KeyError):
+        pass
+    bits = weight_bits(path)
+    record.parent.mkdir(parents=True, exist_ok=True)
+    partial = record.with_suffix(f".partial{os.getpid()}")
+    partial.write_text(json.dumps({"bits": bits}))
+    partial.replace(record)  # atomic: a reader sees the whole record or none
+    return bits
 
 
 def quantizer() -> Path:
@@ -79,19 +96,20 @@ def quantizer() -> Path:
     return path
 
 
-def requantized_path(source: Path, quant: str) -> Path:
-    """Where the copy of `source` in `quant` is cached: named by the source's path, size and modification time, so an
-    edited or replaced source file gets a new copy."""
+def cache_path(source: Path, suffix: str) -> Path:
+    """Where what is made from `source` is cached: named by the source's path, size and modification time, so an
+    edited or replaced source file gets new ones."""
     stat = source.stat()
     key = hashlib.sha256(f"{source.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    return catalog.cache_dir() / "requantized" / f"{source.stem}-{key}-{check_type(quant).lower()}.gguf"
+    return catalog.cache_dir() / "requantized" / f"{source.stem}-{key}-{suffix}"
 
 
 def requantized(source: Path, quant: str) -> Path:
     """`source` with every weight matrix, the output layer included, in `quant`: the cached copy, made first if
     missing. Concurrent workers wait for one to make it (a file lock); readers see the whole file or none (an atomic
     rename)."""
-    target = requantized_path(source, quant)
+    kind = check_type(quant)
+    target = cache_path(source, f"{kind.lower()}.gguf")
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -99,7 +117,6 @@ def requantized(source: Path, quant: str) -> Path:
         if target.exists():  # made by another worker while this one waited
             return target
         partial = target.with_suffix(f".partial{os.getpid()}")
-        kind = check_type(quant)
         command = [str(quantizer()), "--allow-requantize", "--output-tensor-type", kind.lower(),
                    "--token-embedding-type", kind.lower(), str(source), str(partial), kind,
                    str(len(os.sched_getaffinity(0)))]

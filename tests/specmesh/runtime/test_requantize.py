@@ -39,12 +39,16 @@ def cache(tmp_path, monkeypatch):
 
 
 @pytest.mark.network
-def test_auto_narrows_wider_weights_only(smol_file, cache, tmp_path):
+def test_auto_narrows_wider_weights_only(smol_file, cache, tmp_path, monkeypatch):
     assert requantize.weight_bits(smol_file) > requantize.WIDER_THAN_AUTO_BITS  # Q4_1: 5 bits a weight
     assert requantize.auto_type(smol_file) == "q4_0"
     copy = requantize.requantized(smol_file, "q4_0")
     assert requantize.weight_bits(copy) == pytest.approx(4.5, abs=0.05)  # every matrix, the output layer included
     assert requantize.auto_type(copy) is None  # already 4-bit: run as it is
+    # The decision is read once per source file (the gguf package takes seconds to parse a model's metadata).
+    with monkeypatch.context() as patched:
+        patched.setattr(requantize, "weight_bits", lambda path: pytest.fail("read again"))
+        assert requantize.auto_type(smol_file) == "q4_0" and requantize.auto_type(copy) is None
     junk = tmp_path / "junk.gguf"
     junk.write_bytes(b"not a gguf file")
     assert requantize.auto_type(junk) is None

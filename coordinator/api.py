@@ -26,7 +26,7 @@ from coordinator.drafting.policies import DEFAULT_POLICY, POLICIES
 from coordinator.fleet.pools import WorkerPool
 from coordinator.drafting.hybrid import MODEL, SUFFIX, HybridDraftSource
 from coordinator.drafting.priors import cost_prior, measures_costs_later
-from coordinator.drafting.learned import SourceLearning
+from coordinator.drafting.learned import OVERHEAD_S, SourceLearning
 from coordinator.loop import DraftLength, LoopConfig, LoopResult, speculative_decode
 from coordinator.record import Recorder
 from coordinator.stream_flush import DEFAULT_STREAM_FLUSH_S, check_stream_flush_s
@@ -226,10 +226,11 @@ class Coordinator:
         self._model_round_trip_s = dict(self.round_trip_s)  # the draft model's, where the suffix drafter's replace it
         if self.suffix_drafters is not None:
             self.round_trip_s["drafter"] = round_trip_s(self.suffix_drafters)
-        # Per draft source, how much slower than the workers' costs a recent greedy generation's drafted rounds ran,
-        # fading with the generations since (coordinator/drafting/learned.py). The next greedy generations start
-        # from it, so a slowdown that rules drafting out costs the probes of one generation, not of every one, and
-        # a source is tried again within a few requests.
+        # Per draft source, how much more than the workers' costs a recent greedy generation's drafted rounds took (a
+        # suffix drafter's as a slowdown, a draft model's as an overhead a round), fading with the generations since
+        # (coordinator/drafting/learned.py). The next greedy generations start from it, so a cost that rules
+        # drafting out costs the probes of one generation, not of every one, and a source is tried again within a
+        # few requests.
         self.learning = SourceLearning()
         self._costs_read_at = time.monotonic()
         self._costs_lock = threading.Lock()
@@ -435,19 +436,19 @@ class Coordinator:
         """The drafter session in target tokens: the remote session itself, or that session (in drafter tokens)
         behind the translation through text; opened on the first round that drafts (LazyDraftSource), so that a
         generation that never drafts sends the drafter nothing. With a suffix drafter, the hybrid of it and (where
-        that pays, by its costs and what earlier generations learned of its slowdown: `learned`) the model
+        that pays, by its costs and what earlier generations learned of its overhead a round: `learned`) the model
         drafter's session."""
         def opener(pool: WorkerPool) -> Callable[[list[int]], DegradingDraftSession]:
             return lambda prompt: DegradingDraftSession(pool, session_id, prompt, options.sampling, seed,
                                                         self.resilience, faults, cancel)
         model = None
-        # Under the cost policy the draft model drafts the k its own costs find best (its drafts priced at the
-        # slowdown earlier generations measured), and is left out where no k can pay; a fixed k or the heuristic ask
-        # it for the round's k.
+        # Under the cost policy the draft model drafts the k its own costs find best (each round priced with the
+        # overhead earlier generations measured, until this one's rounds measure it), and is left out where no k can
+        # pay; a fixed k or the heuristic ask it for the round's k.
         costs = self.model_costs if options.draft_tokens is None and options.draft_policy == "cost" else None
-        if costs is not None and (learned or {}).get(MODEL) is not None:
-            costs = costs.with_draft_slowdown(learned[MODEL])
-        model_off = costs is not None and costs.drafting_off(DraftLength.maximum) is not None
+        overhead = (learned or {}).get(MODEL)
+        model_off = costs is not None and (costs if overhead is None else costs.with_draft_overhead(overhead)) \
+            .drafting_off(DraftLength.maximum) is not None
         if self.drafters is not None and (self.suffix_drafters is None or not model_off):
             open_session = opener(self.drafters)
             # Hybrid: the draft model drafts where the suffix drafter has no match, from the recent context; a long
@@ -458,7 +459,7 @@ class Coordinator:
         if self.suffix_drafters is None:
             return model
         return HybridDraftSource(LazyDraftSource(prompt_ids, opener(self.suffix_drafters)), model, model_costs=costs,
-                                 timed=options.sampling.is_greedy)
+                                 timed=options.sampling.is_greedy, learned_overhead_s=overhead)
 
     def check(self, prompt_tokens: int, options: GenerationOptions) -> None:
         """Raise ValueError if a request cannot run within the workers' limits (what generate would refuse)."""
@@ -493,8 +494,8 @@ class Coordinator:
         slowdown = length.measured_slowdown(loop.rounds)
         if slowdown is not None:
             self.learning.record(length.source, slowdown)
-        if isinstance(drafter, HybridDraftSource) and (model := drafter.model_slowdown()) is not None:
-            self.learning.record(MODEL, model)
+        if isinstance(drafter, HybridDraftSource) and (model := drafter.model_overhead_s()) is not None:
+            self.learning.record(MODEL, model, OVERHEAD_S)
 
     def token_budget(self, prompt_tokens: int, max_new_tokens: int) -> int:
         """max_new_tokens, cut to what the verifier's context holds after the prompt (finish reason "length")."""

@@ -150,11 +150,10 @@ class CostEstimate:
     def best_k(self, maximum: int) -> int:
         return _best_k(self, maximum)
 
-    def with_draft_slowdown(self, slowdown: float) -> CostEstimate:
-        """The same costs with every draft (its tokens and its round trip) taking `slowdown` times as long: what a
-        draft source's measured slowdown makes of its costs."""
-        return replace(self, draft_s_per_token=self.draft_s_per_token * slowdown,
-                       draft_round_trip_s=self.draft_round_trip_s * slowdown)
+    def with_draft_overhead(self, overhead_s: float) -> CostEstimate:
+        """The same costs with every round that drafts taking `overhead_s` seconds more (its Propose call and what
+        comes with it): what a draft model's measured overhead makes of its costs."""
+        return replace(self, draft_round_trip_s=self.draft_round_trip_s + overhead_s)
 
     def at_acceptance(self, acceptance: float) -> CostEstimate:
         """The same costs with every draft accepted independently with probability `acceptance` (geometric E(k))."""

@@ -2,16 +2,34 @@
 where the suffix drafter has nothing long enough, and only where the draft model pays.
 
 Per round the suffix drafter is asked first: it drafts only where the recent tokens match something it has seen (this
-request's prompt and output, earlier requests' outputs) and drafts longer the longer the match. When its draft has at
-least `min_suffix_tokens` tokens (or all k asked for) it is the round's draft, and the draft model is not involved:
-it stays out of the round's critical path. Otherwise the draft model may draft. Its drafts cost c target steps per
-token, so it gets the k its own costs find best (`model_costs`: the workers' measured costs, with the acceptance of
-this generation's model rounds so far and the slowdown they measured), and none when that best k is 0.
+request's prompt and output, earlier requests' outputs) and drafts longer the longer the match. The draft model's
+drafts cost c target steps per token, so it gets the k its own costs find best (`model_costs`: the workers' measured
+costs, with the acceptance of its recent rounds and the overhead they measured), and none when that best k is 0.
+The suffix draft is the round's draft when it has all k tokens asked for (a long match: a repeated edit, a quoted
+document), or at least `min_suffix_tokens` and verifying it commits tokens at least as fast as a model round would,
+each source at the acceptance its own recent rounds measured (the suffix drafter's shorter drafts', and the model's:
+`suffix_beats_model`); then the draft model stays out of the round's critical path. That second condition is what
+keeps a suffix drafter's coincidental short matches (2 to 5 tokens of code that occurred before, mostly rejected)
+from taking the rounds of a model whose drafts were all being accepted. Where the model has no k that pays, any
+suffix draft is the round's.
+
+The model's acceptance is its recent rounds' (ACCEPTANCE_WINDOW). Once it has put the model off, the model is asked
+again after MODEL_PROBE_TOKENS tokens without it (a probe), judged afresh from its prior as at the start of a
+generation, since the text it is asked about is new; a probe rejected outright leaves it off until the next, after
+twice the wait.
+Without probes, on the real pair a first model round rejected on a code prompt left the rest of it to target-only
+decoding (1.0x), on text whose later model rounds were accepted 80% of the time.
 
 What the model's rounds measure belongs to the model alone (coordinator/drafting/learned.py): its acceptance, and how
-much longer its drafts took than its costs price them (`model_slowdown`: a draft model on cores the verifier shares,
-catching up on the tokens the suffix drafter drafted since its last call, restarting its context after a long
-stretch without it). A slow model round never makes the suffix drafter's free drafts look expensive.
+much longer its drafts took than its costs price them, as seconds a round (`model_overhead_s`: the Propose call, the
+cores changing hands between verifier and drafter, catching up on the few tokens the suffix drafter drafted since its
+last call; a round after a long stretch without the model is not timed: its catch-up is a one-off). That extra is a
+fixed cost per round, not per token: on the real pair (2 shared cores) model rounds of
+1, 2 and 3 drafts took 21, 35 and 45 ms against 12 ms a draft token measured alone, so about 9 ms a round. Priced as
+a factor on every draft token (1.75x at k = 1, and more once one slow round counts), drafts looked dearer the longer
+they were, and the model drafted 1 token where 3 paid. The overhead is the median of the recent rounds' extra, so a
+round slowed by something else (the machine) does not price the rest. A slow model round never makes the suffix
+drafter's free drafts look expensive.
 
 When neither has a draft, the round would be one target step with a Verify call per token: the hybrid asks the loop
 instead to decode the next few tokens as one stream (Draft.wait_tokens), asking the suffix drafter again after 1, 2,
@@ -26,100 +44,178 @@ drafter's point-mass q, the model's q), so sampling stays exact whichever drafte
 from __future__ import annotations
 
 import logging
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from coordinator.drafting.costs import CostEstimate
+from coordinator.drafting.costs import PLAUSIBLE_ACCEPTANCE, CostEstimate
+from coordinator.drafting.learned import MAX_OVERHEAD_S
 from coordinator.loop import Draft, DraftSource
 
 log = logging.getLogger("specmesh.coordinator")
 
 SUFFIX, MODEL = "suffix", "model"  # the sources, as RoundRecord.source and the learned slowdowns name them
 MIN_SUFFIX_TOKENS = 2  # a one-token suffix draft is a weak match: the model's k tokens are likelier to pay
-PRIOR_WEIGHT = 4  # pseudo-drafts of the prior acceptance in the model rounds' measured acceptance
+PRIOR_WEIGHT = 4  # pseudo-drafts of the prior acceptance in a source's measured acceptance
+SUFFIX_PRIOR_ACCEPTANCE = PLAUSIBLE_ACCEPTANCE  # a suffix match is trusted until its rounds say otherwise
+ACCEPTANCE_WINDOW = 8  # a source's recent rounds whose verdicts give its acceptance: the text changes character
+MODEL_PROBE_TOKENS = 16  # the model off by its acceptance: tokens without it before a round asks it again (a probe)
+MODEL_PROBE_MAX_TOKENS = 128  # ... doubling after each probe rejected outright, up to this many
 MAX_WAIT_TOKENS = 16  # nothing to draft: the longest stretch decoded before the suffix drafter is asked again
-SLOWDOWN_WINDOW = 8  # recent model rounds whose draft times give the model's slowdown
-MIN_SLOWDOWN_ROUNDS = 2  # model rounds (the opening one aside) timed before their slowdown counts
-MIN_SLOWDOWN, MAX_SLOWDOWN = 0.5, 4.0
+OVERHEAD_WINDOW = 8  # recent model rounds whose draft times give the model's overhead
+MIN_OVERHEAD_ROUNDS = 2  # model rounds (the opening one aside) timed before their overhead counts
 
 
 class HybridDraftSource:
     def __init__(self, suffix: DraftSource, model: DraftSource | None,
                  min_suffix_tokens: int = MIN_SUFFIX_TOKENS, model_costs: CostEstimate | None = None,
-                 timed: bool = True, clock: Callable[[], float] = time.perf_counter) -> None:
-        """`model_costs`: the draft model's and verifier's measured costs, with what earlier generations learned of
-        the model's slowdown already in its draft cost (None: the model drafts the round's k, no cost gate).
-        `timed`: the model's k may follow its measured slowdown (greedy: a seeded sampled generation repeats exactly
-        only where k never depends on timing); the slowdown is measured either way."""
+                 timed: bool = True, clock: Callable[[], float] = time.perf_counter,
+                 learned_overhead_s: float | None = None) -> None:
+        """`model_costs`: the draft model's and verifier's measured costs (None: the model drafts the round's k, no
+        cost gate). `learned_overhead_s`: what earlier generations measured of the model's overhead a round, assumed
+        until this generation's rounds measure it. `timed`: the model's k may follow its measured overhead (greedy:
+        a seeded sampled generation repeats exactly only where k never depends on timing); it is measured either
+        way."""
         if min_suffix_tokens < 1:
             raise ValueError(f"min_suffix_tokens must be >= 1, got {min_suffix_tokens}")
+        if learned_overhead_s is not None and learned_overhead_s < 0:
+            raise ValueError(f"learned_overhead_s must be >= 0, got {learned_overhead_s}")
         self.suffix, self.model, self.min_suffix_tokens = suffix, model, min_suffix_tokens
-        self.model_costs, self.timed = model_costs, timed
+        self.model_costs, self.timed, self.learned_overhead_s = model_costs, timed, learned_overhead_s
         self._clock = clock
         self.suffix_rounds = 0  # rounds drafted by the suffix drafter
         self.model_rounds = 0  # rounds drafted by the draft model
         self.model_drafted = self.model_accepted = 0
         self._model_draft: tuple[int, ...] | None = None  # the model's draft under verification
+        self._suffix_draft: tuple[int, ...] | None = None  # the suffix drafter's short draft under verification
+        # (drafted, accepted) of each source's recent rounds: the acceptance each is judged by
+        self._verdicts: dict[str, deque[tuple[int, int]]] = {SUFFIX: deque(maxlen=ACCEPTANCE_WINDOW),
+                                                             MODEL: deque(maxlen=ACCEPTANCE_WINDOW)}
+        self._without_model = 0  # tokens committed since the model's last round
+        self._failed_probes = 0  # model probes in a row rejected outright
+        self._probing = False  # the model's draft under verification is a probe
+        self._off_until_probe = False  # the last probe was rejected outright: the model waits for the next
         # (seconds the model's propose took, seconds its costs price it at), per model round after its first (which
         # opens the drafter session and prefills the prompt: a one-off, like the verifier's prefill)
         self._model_timings: list[tuple[float, float]] = []
         self._misses = 0  # suffix calls in a row that found nothing to draft (the wait before the next one doubles)
         self._unsynced = 0  # tokens committed since the suffix drafter's last call
 
-    def model_slowdown(self) -> float | None:
-        """How much longer the model's recent drafts took than `model_costs` price them (catching up included);
-        None until MIN_SLOWDOWN_ROUNDS rounds measured it."""
-        recent = self._model_timings[-SLOWDOWN_WINDOW:]
-        if self.model_costs is None or len(recent) < MIN_SLOWDOWN_ROUNDS:
+    def model_overhead_s(self) -> float | None:
+        """Seconds the model's recent rounds took beyond what `model_costs` price them at (the median over the last
+        OVERHEAD_WINDOW, catching up included, at least 0, at most MAX_OVERHEAD_S); None until MIN_OVERHEAD_ROUNDS
+        rounds measured it."""
+        recent = self._model_timings[-OVERHEAD_WINDOW:]
+        if self.model_costs is None or len(recent) < MIN_OVERHEAD_ROUNDS:
             return None
-        took, priced = sum(t for t, _ in recent), sum(p for _, p in recent)
-        return min(max(took / priced, MIN_SLOWDOWN), MAX_SLOWDOWN) if priced > 0 else None
+        return min(max(statistics.median(took - priced for took, priced in recent), 0.0), MAX_OVERHEAD_S)
 
     def model_k(self, k: int) -> int:
         """How many tokens the draft model should draft in a round of at most k: the best by its costs at the
-        acceptance its rounds have had (the prior's until there are some), its drafts priced at the slowdown they
-        measured."""
+        acceptance its rounds have had (the prior's until there are some), each round priced with the overhead its
+        rounds measured (what earlier generations measured until then)."""
+        costs = self.priced_model()
+        return k if costs is None else costs.best_k(k)
+
+    def acceptance(self, source: str) -> float:
+        """A source's per-token acceptance over its recent rounds, with PRIOR_WEIGHT pseudo-drafts of its prior (the
+        workers' for the model, SUFFIX_PRIOR_ACCEPTANCE for the suffix drafter). The suffix drafter's: over its drafts
+        shorter than their round's k, the ones judged against the model (a long match is another matter)."""
+        prior = SUFFIX_PRIOR_ACCEPTANCE if source == SUFFIX else (
+            self.model_costs.acceptance if self.model_costs is not None else SUFFIX_PRIOR_ACCEPTANCE)
+        verdicts = self._verdicts[source]
+        return ((sum(a for _, a in verdicts) + PRIOR_WEIGHT * prior)
+                / (sum(d for d, _ in verdicts) + PRIOR_WEIGHT))
+
+    def priced_model(self) -> CostEstimate | None:
+        """The model's costs at its measured acceptance, each round priced with its measured overhead (what earlier
+        generations measured until then); None without costs."""
         if self.model_costs is None:
-            return k
-        prior = self.model_costs.acceptance
-        acceptance = (self.model_accepted + PRIOR_WEIGHT * prior) / (self.model_drafted + PRIOR_WEIGHT)
-        costs = self.model_costs.at_acceptance(acceptance)
-        slowdown = self.model_slowdown() if self.timed else None
-        return (costs if slowdown is None else costs.with_draft_slowdown(slowdown)).best_k(k)
+            return None
+        costs = self.model_costs.at_acceptance(self.acceptance(MODEL))
+        overhead = self.model_overhead_s() if self.timed else None
+        if overhead is None and self.timed:
+            overhead = self.learned_overhead_s
+        return costs if overhead is None else costs.with_draft_overhead(overhead)
+
+    def suffix_beats_model(self, suffix_tokens: int, model_k: int) -> bool:
+        """Whether verifying the suffix drafter's draft of `suffix_tokens` commits tokens at least as fast as a model
+        round of model_k would, each at its source's measured acceptance. The suffix draft costs only its verify (it
+        is already drafted); without the model's costs it always wins."""
+        costs = self.priced_model()
+        if costs is None or model_k == 0:
+            return True
+        suffix = costs.at_acceptance(self.acceptance(SUFFIX))
+        suffix_rate = suffix.expected_tokens(suffix_tokens) / max(
+            suffix.verify_round_trip_s + suffix.verify_s(suffix_tokens), 1e-9)
+        return suffix_rate >= costs.tokens_per_s(model_k)
+
+    def _model_probe_due(self, k: int) -> bool:
+        """The model is off: whether to ask it again this round. Where its acceptance put it off (its opening rounds
+        may have been unlucky, or the text changed: prose, then code), once it has been off for a while, each probe
+        rejected outright doubling the wait; never where its costs do (no k pays even at PLAUSIBLE_ACCEPTANCE)."""
+        wait = min(MODEL_PROBE_TOKENS << self._failed_probes, MODEL_PROBE_MAX_TOKENS)
+        costs = self.priced_model()
+        return self._without_model >= wait and costs is not None and costs.could_pay(k, PLAUSIBLE_ACCEPTANCE)
 
     def propose(self, k: int, after: Sequence[int] = ()) -> Draft:
-        self._model_draft = None
+        self._model_draft = self._suffix_draft = None
         draft = self.suffix.propose(k, after)
         self._unsynced = 0
-        model_k = self.model_k(k) if self.model is not None else 0
-        if draft.tokens and (model_k == 0 or len(draft.tokens) >= min(self.min_suffix_tokens, k)):
+        model_k = self.model_k(k) if self.model is not None and not self._off_until_probe else 0
+        probing = model_k == 0 and self.model is not None and self._model_probe_due(k)
+        if probing:  # the text since its last round is new to it: judged afresh, from its prior, as at the start
+            self._verdicts[MODEL].clear()
+            self._off_until_probe = False
+            model_k = max(self.model_k(k), 1)
+        full = len(draft.tokens) >= k  # a match long enough to fill the round: trusted as it is
+        if draft.tokens and (model_k == 0 or full or len(draft.tokens) >= self.min_suffix_tokens
+                             and self.suffix_beats_model(len(draft.tokens), model_k)):
             self.suffix_rounds += 1
             self._misses = 0
+            if not after and not full:
+                self._suffix_draft = draft.tokens
             return replace(draft, source=SUFFIX)
         if model_k == 0:
             self._misses += 1
             return Draft(wait_tokens=min(1 << (self._misses - 1), MAX_WAIT_TOKENS))
+        if probing:
+            log.debug("hybrid: probing the draft model after %d tokens without it", self._without_model)
+        self._probing = probing
+        # A round after a stretch without the model pays once for catching up on the stretch (a prefill of its
+        # tokens: 60-100 ms after 20-30 tokens on the real pair), which says nothing of what the next rounds cost.
+        caught_up = self._without_model >= MODEL_PROBE_TOKENS
+        self._without_model = 0
         self.model_rounds += 1
         started = self._clock()
         draft = self.model.propose(model_k, after)
         if not after:  # a pipelined bet is not this round's draft
             self._model_draft = draft.tokens
-            if self.model_rounds > 1 and self.model_costs is not None:
+            if self.model_rounds > 1 and self.model_costs is not None and not caught_up:
                 costs = self.model_costs
                 self._model_timings.append((self._clock() - started,
                                             costs.draft_round_trip_s + model_k * costs.draft_s_per_token))
         return replace(draft, source=MODEL)
 
     def update(self, committed: Sequence[int]) -> None:
-        if self._model_draft:  # how much of the model's draft the target kept: the acceptance its k is chosen by
-            accepted = 0
-            while accepted < min(len(self._model_draft), len(committed)) and \
-                    self._model_draft[accepted] == committed[accepted]:
-                accepted += 1
-            self.model_drafted += len(self._model_draft)
-            self.model_accepted += min(accepted, len(committed) - 1)
-            self._model_draft = None
+        # How much of the round's draft the target kept: the acceptance its source is judged by.
+        for source, draft in ((MODEL, self._model_draft), (SUFFIX, self._suffix_draft)):
+            if draft:
+                accepted = 0
+                while accepted < min(len(draft), len(committed)) and draft[accepted] == committed[accepted]:
+                    accepted += 1
+                accepted = min(accepted, len(committed) - 1)
+                self._verdicts[source].append((len(draft), accepted))
+                if source == MODEL:
+                    self.model_drafted += len(draft)
+                    self.model_accepted += accepted
+                    if self._probing:  # a probe rejected outright: off until the next, after twice the wait
+                        self._failed_probes = self._failed_probes + 1 if accepted == 0 else 0
+                        self._off_until_probe, self._probing = accepted == 0, False
+        self._model_draft = self._suffix_draft = None
+        self._without_model += len(committed)
         self._unsynced += len(committed)
         self.suffix.update(committed)
         if self.model is not None:

@@ -7,6 +7,7 @@ why."""
 from __future__ import annotations
 
 import logging
+import statistics
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -328,7 +329,7 @@ def test_a_measured_slowdown_carries_to_the_next_greedy_generations_and_fades_wi
     first = Coordinator.draft_length(coordinator, greedy, coordinator.learning.start_generation())
     assert first.drafting_off() is None and first.timed
     Coordinator._learn(coordinator, first, LoopResult(rounds=rounds), None)
-    assert coordinator.learning.get("").slowdown == pytest.approx(1.5)
+    assert coordinator.learning.get("").value == pytest.approx(1.5)
     off = Coordinator.draft_length(coordinator, greedy, coordinator.learning.start_generation()).drafting_off()
     assert off is not None and "1.50x slower than the workers' costs" in str(off)
     assert Coordinator.draft_length(coordinator, sampled, {}).drafting_off() is None
@@ -375,8 +376,11 @@ def test_a_slow_draft_model_never_locks_the_suffix_drafter_out():
     # The first generation: nothing to match yet, so the draft model drafts, each Propose 3.28x its price.
     now = [0.0]
 
+    asked = []
+
     class SlowModel:
         def propose(self, k, after=()):
+            asked.append(k)
             now[0] += 3.28 * k * MODEL_PRIOR.draft_s_per_token
             return Draft((7,) * k)
 
@@ -398,9 +402,11 @@ def test_a_slow_draft_model_never_locks_the_suffix_drafter_out():
             rounds.append(RoundRecord(len(draft.tokens), 2, 3.28 * len(draft.tokens) * 0.45,
                                       MODEL_PRIOR.verify_s(len(draft.tokens)), source="model"))
     rounds += [RoundRecord(0, 0, 0.0, 1.0)] * 4
-    assert hybrid.model_slowdown() == pytest.approx(3.28)
+    # Measured as seconds a round beyond the price (the opening round, with its prefill, aside)
+    overhead = statistics.median(2.28 * k * MODEL_PRIOR.draft_s_per_token for k in asked[1:])
+    assert hybrid.model_overhead_s() == pytest.approx(overhead) and overhead > 1.0
     Coordinator._learn(coordinator, length, LoopResult(rounds=rounds), hybrid)
-    assert coordinator.learning.get("model").slowdown == pytest.approx(3.28)
+    assert coordinator.learning.get("model").value == pytest.approx(overhead)
     assert coordinator.learning.get("suffix") is None, "the model's rounds say nothing of the suffix drafter's costs"
     # The repeating requests: drafting is never off, so the suffix drafter drafts in every one of them.
     models = []
@@ -409,5 +415,5 @@ def test_a_slow_draft_model_never_locks_the_suffix_drafter_out():
         assert length.drafting_off() is None
         assert length.first() > 0 or length.next(0, [RoundRecord(0, 0, 0.0, 1.0)]) > 0
         models.append(hybrid.model is not None)
-    assert not models[0], "the model, measured 3.28x slower, sits the next request out"
+    assert not models[0], "the model, measured over a target step slower a round, sits the next request out"
     assert any(models[:4]), f"... and is tried again within a few requests: {models}"

@@ -7,7 +7,8 @@ import threading
 
 import pytest
 
-from coordinator.drafting.learned import FORGET_AFTER_REQUESTS, MAX_SLOWDOWN, TTL_S, Learned, SourceLearning
+from coordinator.drafting.learned import (FORGET_AFTER_REQUESTS, MAX_OVERHEAD_S, MAX_SLOWDOWN, OVERHEAD_S, TTL_S, Learned,
+                                         SourceLearning)
 
 
 class Clock:
@@ -35,6 +36,18 @@ def test_a_slowdown_fades_with_each_generation_that_does_not_measure_it_and_is_t
     assert [learning.start_generation()["model"] for _ in range(2)] == [0.5, 0.75]
 
 
+def test_an_overhead_fades_towards_zero_and_is_clamped_to_its_own_bounds():
+    learning = SourceLearning()
+    learning.record("model", 0.012, OVERHEAD_S)
+    assert [learning.start_generation()["model"] for _ in range(3)] == pytest.approx([0.012, 0.006, 0.003])
+    learning.record("model", -1.0, OVERHEAD_S)
+    assert learning.get("model").value == 0.0
+    learning.record("model", 1e6, OVERHEAD_S)
+    assert learning.get("model").value == MAX_OVERHEAD_S
+    with pytest.raises(ValueError, match="overhead"):
+        Learned(-0.1, 0.0, measure=OVERHEAD_S)
+
+
 def test_a_new_measurement_replaces_the_faded_one():
     learning = SourceLearning()
     learning.record("model", 4.0)
@@ -56,7 +69,7 @@ def test_a_slowdown_is_forgotten_after_its_ttl():
 def test_measurements_are_clamped_and_entries_validated():
     learning = SourceLearning()
     learning.record("model", 40.0)
-    assert learning.get("model").slowdown == MAX_SLOWDOWN
+    assert learning.get("model").value == MAX_SLOWDOWN
     with pytest.raises(ValueError, match="slowdown"):
         Learned(9.0, 0.0)
     with pytest.raises(ValueError, match="requests_since"):

@@ -29,7 +29,8 @@ class Recorder:
                          "draft_tokens": options.draft_tokens, "stop": list(options.stop)},
             "stats": result.stats,
             "rounds": [{"drafted": r.drafted, "accepted": r.accepted, "draft_s": round(r.draft_s, 6),
-                        "verify_s": round(r.verify_s, 6)} for r in result.rounds],
+                        "verify_s": round(r.verify_s, 6), **({"source": r.source} if r.source else {})}
+                       for r in result.rounds],
         }
         line = json.dumps(entry, ensure_ascii=False) + "\n"
         with self._lock, self.path.open("a", encoding="utf-8") as f:

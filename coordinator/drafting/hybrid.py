@@ -21,15 +21,21 @@ Without probes, on the real pair a first model round rejected on a code prompt l
 decoding (1.0x), on text whose later model rounds were accepted 80% of the time.
 
 What the model's rounds measure belongs to the model alone (coordinator/drafting/learned.py): its acceptance, and how
-much longer its drafts took than its costs price them, as seconds a round (`model_overhead_s`: the Propose call, the
+much longer its rounds took than its costs price them, as seconds a round (`model_overhead_s`: the Propose call, the
 cores changing hands between verifier and drafter, catching up on the few tokens the suffix drafter drafted since its
 last call; a round after a long stretch without the model is not timed: its catch-up is a one-off). That extra is a
 fixed cost per round, not per token: on the real pair (2 shared cores) model rounds of
 1, 2 and 3 drafts took 21, 35 and 45 ms against 12 ms a draft token measured alone, so about 9 ms a round. Priced as
 a factor on every draft token (1.75x at k = 1, and more once one slow round counts), drafts looked dearer the longer
-they were, and the model drafted 1 token where 3 paid. The overhead is the median of the recent rounds' extra, so a
-round slowed by something else (the machine) does not price the rest. A slow model round never makes the suffix
-drafter's free drafts look expensive.
+they were, and the model drafted 1 token where 3 paid. A round is timed whole, from the Propose call to the verdict:
+the verify right after the drafter ran is slower too (on the real pair, Zen 4: 53 ms for one draft against the 46 ms
+its curve prices, while a verify after a suffix round took what the curve says), and timing the Propose alone left
+the model drafting one token a round on prose at 60% acceptance, 0.9x target-only. The overhead is the lower median of
+the recent rounds' extra, so a round slowed by something else (the machine) does not price the rest: with two rounds
+timed, the faster one. On fresh workers (`coordinator generate` starting them) a first generation's third model
+round took 110 ms where its costs priced 58 and the second 61: the mean of the two put the model off for the rest of
+the generation, 0.84x target-only where the same prompt ran 1.13x on the next generation. A slow model round
+never makes the suffix drafter's free drafts look expensive.
 
 When neither has a draft, the round would be one target step with a Verify call per token: the hybrid asks the loop
 instead to decode the next few tokens as one stream (Draft.wait_tokens), asking the suffix drafter again after 1, 2,
@@ -97,20 +103,22 @@ class HybridDraftSource:
         self._failed_probes = 0  # model probes in a row rejected outright
         self._probing = False  # the model's draft under verification is a probe
         self._off_until_probe = False  # the last probe was rejected outright: the model waits for the next
-        # (seconds the model's propose took, seconds its costs price it at), per model round after its first (which
-        # opens the drafter session and prefills the prompt: a one-off, like the verifier's prefill)
+        # (seconds the model's round took, seconds its costs price it at), per model round after its first (which
+        # opens the drafter session and prefills the prompt: a one-off, like the verifier's prefill); a round is timed
+        # from its Propose call to its verdict (update)
         self._model_timings: list[tuple[float, float]] = []
+        self._timing: tuple[float, float] | None = None  # the model round under verification: (started, priced)
         self._misses = 0  # suffix calls in a row that found nothing to draft (the wait before the next one doubles)
         self._unsynced = 0  # tokens committed since the suffix drafter's last call
 
     def model_overhead_s(self) -> float | None:
-        """Seconds the model's recent rounds took beyond what `model_costs` price them at (the median over the last
-        OVERHEAD_WINDOW, catching up included, at least 0, at most MAX_OVERHEAD_S); None until MIN_OVERHEAD_ROUNDS
-        rounds measured it."""
+        """Seconds the model's recent rounds took beyond what `model_costs` price them at (the lower median over the
+        last OVERHEAD_WINDOW, catching up included, at least 0, at most MAX_OVERHEAD_S); None until
+        MIN_OVERHEAD_ROUNDS rounds measured it."""
         recent = self._model_timings[-OVERHEAD_WINDOW:]
         if self.model_costs is None or len(recent) < MIN_OVERHEAD_ROUNDS:
             return None
-        return min(max(statistics.median(took - priced for took, priced in recent), 0.0), MAX_OVERHEAD_S)
+        return min(max(statistics.median_low(took - priced for took, priced in recent), 0.0), MAX_OVERHEAD_S)
 
     def model_k(self, k: int) -> int:
         """How many tokens the draft model should draft in a round of at most k: the best by its costs at the
@@ -162,6 +170,8 @@ class HybridDraftSource:
 
     def propose(self, k: int, after: Sequence[int] = ()) -> Draft:
         self._model_draft = self._suffix_draft = None
+        if not after:
+            self._timing = None  # a round without a verdict (it failed) is not timed
         draft = self.suffix.propose(k, after)
         self._unsynced = 0
         model_k = self.model_k(k) if self.model is not None and not self._off_until_probe else 0
@@ -194,12 +204,16 @@ class HybridDraftSource:
         if not after:  # a pipelined bet is not this round's draft
             self._model_draft = draft.tokens
             if self.model_rounds > 1 and self.model_costs is not None and not caught_up:
-                costs = self.model_costs
-                self._model_timings.append((self._clock() - started,
-                                            costs.draft_round_trip_s + model_k * costs.draft_s_per_token))
+                costs = self.model_costs  # the round priced whole: its drafts, then their verify
+                self._timing = (started, costs.draft_round_trip_s + model_k * costs.draft_s_per_token
+                                + costs.verify_round_trip_s + costs.verify_s(len(draft.tokens)))
         return replace(draft, source=MODEL)
 
     def update(self, committed: Sequence[int]) -> None:
+        if self._timing is not None:  # the verdict of a timed model round: what it took, from its Propose call
+            started, priced = self._timing
+            self._model_timings.append((self._clock() - started, priced))
+            self._timing = None
         # How much of the round's draft the target kept: the acceptance its source is judged by.
         for source, draft in ((MODEL, self._model_draft), (SUFFIX, self._suffix_draft)):
             if draft:

@@ -293,6 +293,27 @@ def test_a_model_round_is_timed_whole_so_a_verify_slowed_by_the_drafter_counts()
     assert hybrid.model_overhead_s() == pytest.approx(0.006)
 
 
+def test_without_the_model_a_suffix_draft_must_beat_target_only_decoding():
+    """Issue 39, `coordinator bench-serve`'s prose turns (Zen 4): with the model off, every suffix match was verified,
+    12-17% of drafts accepted, 0.81x target-only. Without the model a suffix draft is the round's only where its
+    verify commits tokens at least as fast as streaming them would, at the acceptance its rounds measured; a draft
+    that fills the round is trusted as before."""
+    costs = CostEstimate(0.7, 0.012, 0.0414, 0.0, verify_curve=((0, 0.0414), (1, 0.0458), (4, 0.090)),
+                         target_streams=True)
+    suffix = Scripted([(1, 2, 3)] * 3 + [(4, 5, 6, 7), (8,)])
+    hybrid = HybridDraftSource(suffix, None, model_costs=costs)
+    for _ in range(2):  # trusted at first (its prior), each rejected outright
+        assert hybrid.propose(4).tokens == (1, 2, 3)
+        hybrid.update([9])
+    assert hybrid.acceptance("suffix") == pytest.approx(0.36)
+    held = hybrid.propose(4)
+    assert held.tokens == () and held.wait_tokens >= 1, "three drafts at 36%: slower than streaming"
+    hybrid.update([9])
+    assert hybrid.propose(4).tokens == (4, 5, 6, 7), "a match that fills the round"
+    hybrid.update([4, 5, 6, 7, 9])
+    assert hybrid.propose(4).tokens == (8,), "one draft: its verify costs about a target step"
+
+
 def test_one_slow_round_of_the_first_few_does_not_put_the_model_off():
     """Issue 39, a first generation on fresh workers (Zen 4): the model's second round took 61 ms where its costs
     priced 58, its third 110 ms. The overhead is the lower median: 3 ms, and the model, accepted, keeps drafting."""

@@ -172,8 +172,9 @@ class HybridDraftSource:
 
     def propose(self, k: int, after: Sequence[int] = ()) -> Draft:
         self._model_draft = self._suffix_draft = None
-        if not after:
-            self._timing = None  # a round without a verdict (it failed) is not timed
+        # Not timed: a round without a verdict (it failed), and, pipelined, a round during whose verify the next
+        # round's draft was bet on (this call, with `after`): the round then took the bet's time too.
+        self._timing = None
         draft = self.suffix.propose(k, after)
         self._unsynced = 0
         model_k = self.model_k(k) if self.model is not None and not self._off_until_probe else 0

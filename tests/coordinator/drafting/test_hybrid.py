@@ -291,6 +291,13 @@ def test_a_model_round_is_timed_whole_so_a_verify_slowed_by_the_drafter_counts()
     clock.now += costs.verify_s(1)
     hybrid.update([7, 1])
     assert hybrid.model_overhead_s() == pytest.approx(0.006)
+    # Pipelined: a bet drafted during the round's verify (a propose `after` its draft) leaves the round untimed.
+    timed = len(hybrid._model_timings)
+    assert hybrid.propose(1).source == "model"
+    hybrid.propose(2, after=(7,))
+    clock.now += 5.0
+    hybrid.update([7, 1])
+    assert len(hybrid._model_timings) == timed
 
 
 def test_without_the_model_a_suffix_draft_must_beat_target_only_decoding():

@@ -8,7 +8,7 @@ costs, with the acceptance of its recent rounds and the overhead they measured),
 The suffix draft is the round's draft when it has all k tokens asked for (a long match: a repeated edit, a quoted
 document), or at least `min_suffix_tokens` and verifying it commits tokens at least as fast as a model round would,
 each source at the acceptance its own recent rounds measured (the suffix drafter's shorter drafts', and the model's:
-`suffix_beats_model`); then the draft model stays out of the round's critical path. That second condition is what
+`suffix_draft_pays`); then the draft model stays out of the round's critical path. That second condition is what
 keeps a suffix drafter's coincidental short matches (2 to 5 tokens of code that occurred before, mostly rejected)
 from taking the rounds of a model whose drafts were all being accepted. Where the model has no k that pays, a suffix
 draft of any length is the round's where verifying it commits tokens at least as fast as target-only decoding would:
@@ -35,7 +35,7 @@ its curve prices, while a verify after a suffix round took what the curve says),
 the model drafting one token a round on prose at 60% acceptance, 0.9x target-only. The overhead is the lower median of
 the recent rounds' extra, so a round slowed by something else (the machine) does not price the rest: with two rounds
 timed, the faster one. On fresh workers (`coordinator generate` starting them) a first generation's third model
-round took 110 ms where its costs priced 58 and the second 61: the mean of the two put the model off for the rest of
+round took 110 ms where its costs priced 58 and the second 61: the median of the two put the model off for the rest of
 the generation, 0.84x target-only where the same prompt ran 1.13x on the next generation. A slow model round
 never makes the suffix drafter's free drafts look expensive.
 
@@ -64,7 +64,7 @@ from coordinator.loop import Draft, DraftSource
 
 log = logging.getLogger("specmesh.coordinator")
 
-SUFFIX, MODEL = "suffix", "model"  # the sources, as RoundRecord.source and the learned slowdowns name them
+SUFFIX, MODEL = "suffix", "model"  # the sources, as RoundRecord.source and SourceLearning name them
 MIN_SUFFIX_TOKENS = 2  # a one-token suffix draft is a weak match: the model's k tokens are likelier to pay
 PRIOR_WEIGHT = 4  # pseudo-drafts of the prior acceptance in a source's measured acceptance
 SUFFIX_PRIOR_ACCEPTANCE = PLAUSIBLE_ACCEPTANCE  # a suffix match is trusted until its rounds say otherwise
@@ -72,7 +72,7 @@ ACCEPTANCE_WINDOW = 8  # a source's recent rounds whose verdicts give its accept
 MODEL_PROBE_TOKENS = 16  # the model off by its acceptance: tokens without it before a round asks it again (a probe)
 MODEL_PROBE_MAX_TOKENS = 128  # ... doubling after each probe rejected outright, up to this many
 MAX_WAIT_TOKENS = 16  # nothing to draft: the longest stretch decoded before the suffix drafter is asked again
-OVERHEAD_WINDOW = 8  # recent model rounds whose draft times give the model's overhead
+OVERHEAD_WINDOW = 8  # recent timed model rounds whose extra over their price gives the model's overhead
 MIN_OVERHEAD_ROUNDS = 2  # model rounds (the opening one aside) timed before their overhead counts
 
 
@@ -150,10 +150,11 @@ class HybridDraftSource:
             overhead = self.learned_overhead_s
         return costs if overhead is None else costs.with_draft_overhead(overhead)
 
-    def suffix_beats_model(self, suffix_tokens: int, model_k: int) -> bool:
-        """Whether verifying the suffix drafter's draft of `suffix_tokens` commits tokens at least as fast as a model
-        round of model_k would (model_k 0: target-only decoding), each at its source's measured acceptance. The
-        suffix draft costs only its verify (it is already drafted); without the model's costs it always wins."""
+    def suffix_draft_pays(self, suffix_tokens: int, model_k: int) -> bool:
+        """Whether verifying the suffix drafter's draft of `suffix_tokens` commits tokens at least as fast as the
+        alternative would: a model round of model_k, or target-only decoding where model_k is 0, each at its source's
+        measured acceptance. The suffix draft costs only its verify (it is already drafted); without the model's costs
+        it always wins."""
         costs = self.priced_model()
         if costs is None:
             return True
@@ -186,7 +187,7 @@ class HybridDraftSource:
         full = len(draft.tokens) >= k  # a match long enough to fill the round: trusted as it is
         # Against the model, a suffix draft needs min_suffix_tokens; against target-only decoding, any length.
         long_enough = model_k == 0 or len(draft.tokens) >= self.min_suffix_tokens
-        if draft.tokens and (full or long_enough and self.suffix_beats_model(len(draft.tokens), model_k)):
+        if draft.tokens and (full or long_enough and self.suffix_draft_pays(len(draft.tokens), model_k)):
             self.suffix_rounds += 1
             self._misses = 0
             if not after and not full:

@@ -364,7 +364,7 @@ def test_a_suffix_drafter_whose_drafts_keep_being_rejected_yields_the_round_to_a
     assert sources == ["suffix", "suffix", "suffix", "model"], sources
     assert hybrid.acceptance("suffix") < 0.4 < hybrid.acceptance("model") == pytest.approx(0.56)
     fresh = HybridDraftSource(Scripted([(1, 2, 3, 4)]), Scripted([(7,)]), model_costs=REAL_PAIR, timed=False)
-    assert fresh.propose(4).source == "suffix" and fresh.suffix_beats_model(4, fresh.model_k(4))
+    assert fresh.propose(4).source == "suffix" and fresh.suffix_draft_pays(4, fresh.model_k(4))
 
 
 def test_a_model_put_off_by_its_acceptance_is_probed_again_with_a_growing_wait():
@@ -391,7 +391,8 @@ def test_a_model_put_off_by_its_acceptance_is_probed_again_with_a_growing_wait()
     assert 2 * MODEL_PROBE_TOKENS - 1 <= tokens_until_the_model_is_asked() < 4 * MODEL_PROBE_TOKENS
     hybrid.update([*model.drafts[0][:model.asked[-1]], 5])  # this one accepted: the model drafts again
     assert hybrid.model_k(4) > 0 and hybrid.propose(4).source == "model"
-    without_costs = HybridDraftSource(Scripted([()]), Scripted([]), model_costs=replace(REAL_PAIR, draft_s_per_token=1.0))
+    without_costs = HybridDraftSource(Scripted([()]), Scripted([]),
+                                      model_costs=replace(REAL_PAIR, draft_s_per_token=1.0))
     without_costs._without_model = 10 ** 6
     assert not without_costs._model_probe_due(4), "never where the model's costs rule it out"
 

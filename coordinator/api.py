@@ -49,7 +49,8 @@ from specmesh.wire.validation import MAX_SEED
 COST_REFRESH_S = 5.0
 COST_REFRESH_TIMEOUT_S = 2.0
 COST_WAIT_POLL_S = 0.5  # wait_for_costs: an Info call every half second (the probes wait for a quiet machine)
-# Hybrid drafting: the draft model's session opens on at most this many recent tokens (its first round prefills them).
+# Hybrid drafting: the draft model's session opens on the recent tokens only, from a start that moves by this many
+# (remote_sessions.window_start): its first round prefills what the drafter's prefix cache does not hold.
 HYBRID_MODEL_WINDOW = 256
 
 log = logging.getLogger("specmesh.coordinator")

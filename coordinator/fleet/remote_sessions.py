@@ -332,6 +332,15 @@ class DegradingDraftSession:
         self.link.end(self.session_id)
 
 
+def window_start(length: int, window: int) -> int:
+    """Where a window of recent tokens starts in a history of `length`: at the last multiple of `window` that leaves
+    at least `window` tokens (so it holds window to 2 x window - 1 of them). The start stays put while a conversation
+    grows by up to `window` tokens, so the next turn's session starts with the tokens the last one held, which the
+    worker's prefix cache has kept: it prefills only what is new. A window of the last `window` tokens moved with every
+    turn, and each turn prefilled all of it (on the real draft model, Zen 4: 0.9 s for 256 tokens)."""
+    return max(0, (length - window) // window * window)
+
+
 class LazyDraftSource:
     """A DraftSource opened on its first propose: until then it only keeps the committed tokens, which become the
     opened source's prompt. A generation that never drafts (drafting off, or no round with k > 0) opens no drafter
@@ -340,7 +349,8 @@ class LazyDraftSource:
 
     def __init__(self, prompt: Sequence[int], open_source: Callable[[list[int]], DraftSource],
                  window: int | None = None) -> None:
-        """`window`: open the source on at most this many of the most recent tokens (None: all of them)."""
+        """`window`: open the source on the recent tokens only, from the last multiple of `window` that leaves at
+        least `window` of them (window_start; None: all of them)."""
         if window is not None and window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
         self.history: list[int] = list(prompt)
@@ -349,7 +359,8 @@ class LazyDraftSource:
 
     def propose(self, k: int, after: Sequence[int] = ()) -> Draft:
         if self.source is None:
-            self.source = self._open(self.history[-self.window:] if self.window else self.history)
+            start = window_start(len(self.history), self.window) if self.window else 0
+            self.source = self._open(self.history[start:])
             self.history = []
         return self.source.propose(k, after)
 

@@ -44,6 +44,26 @@ class Scripted:
         self.ended = True
 
 
+def past_first_round(hybrid: HybridDraftSource, k: int = 4) -> HybridDraftSource:
+    """The hybrid after its first round, which leaves the model out (its session would prefill the prompt before the
+    verifier's prefill, which gives the first token): no draft, one token of the target's."""
+    asked = len(hybrid.model.asked)
+    assert hybrid.propose(k) == Draft() and len(hybrid.model.asked) == asked
+    hybrid.update([0])
+    return hybrid
+
+
+def test_the_first_round_leaves_the_model_out():
+    suffix, model = Scripted([(), ()]), Scripted([(7, 8)])
+    hybrid = HybridDraftSource(suffix, model, model_costs=MODEL_COSTS)
+    first = hybrid.propose(4)
+    assert first == Draft() and model.asked == [], "a round of the target's alone, not a stretch to stream"
+    hybrid.update([5])
+    assert hybrid.propose(4).source == "model" and model.committed == [5], "the model from the second round on"
+    with_match = HybridDraftSource(Scripted([(1, 2)]), Scripted([(7,)]), model_costs=MODEL_COSTS)
+    assert with_match.propose(4).source == "suffix" and with_match.model.asked == [], "a suffix draft may take it"
+
+
 def test_the_suffix_draft_wins_when_its_match_is_long_enough():
     suffix, model = Scripted([(1, 2, 3), (4,), ()]), Scripted([(7, 8), (9, 9)])
     hybrid = HybridDraftSource(suffix, model, min_suffix_tokens=2)
@@ -62,7 +82,7 @@ def test_the_model_drafts_the_k_its_costs_find_best_at_its_measured_acceptance()
     from tests.coordinator.drafting.test_decision import DRAFTING_PAYS
     costly = replace(DRAFTING_PAYS, draft_s_per_token=0.3)  # a model draft costs 0.3 target steps per token
     suffix, model = Scripted([()] * 20), Scripted([(7, 8, 9, 10, 11, 12)] * 20)
-    hybrid = HybridDraftSource(suffix, model, model_costs=costly, timed=False)  # k by acceptance alone
+    hybrid = past_first_round(HybridDraftSource(suffix, model, model_costs=costly, timed=False), 6)  # k by acceptance
     first = hybrid.propose(6)
     assert 0 < len(first.tokens) == hybrid.model_k(6) <= 6 and model.asked == [hybrid.model_k(6)]
     for _ in range(6):  # the target keeps none of the model's drafts: its k falls to 0, then it is not asked
@@ -206,8 +226,8 @@ def test_the_model_gates_itself_by_the_overhead_its_own_rounds_measured():
         def propose(self, k, after=()):
             clock.now += 4.0 * (MODEL_COSTS.draft_round_trip_s + k * MODEL_COSTS.draft_s_per_token)
             return super().propose(k, after)
-    suffix, model = Scripted([()] * 3 + [(5, 6, 7)]), SlowModel([(7, 8, 9, 10)] * 20)
-    hybrid = HybridDraftSource(suffix, model, model_costs=MODEL_COSTS, clock=clock)
+    suffix, model = Scripted([()] * 4 + [(5, 6, 7)]), SlowModel([(7, 8, 9, 10)] * 20)
+    hybrid = past_first_round(HybridDraftSource(suffix, model, model_costs=MODEL_COSTS, clock=clock))
     for _ in range(3):  # the model drafts; all of its drafts accepted; each verify takes what its costs say
         draft = hybrid.propose(4)
         assert draft.source == "model" and draft.tokens
@@ -234,7 +254,7 @@ def test_the_model_s_extra_time_is_priced_as_an_overhead_a_round_that_one_slow_r
             clock.now += 0.012 * k + next(extras)
             return super().propose(k, after)
     model = Model([tuple(range(10, 26))] * 7)
-    hybrid = HybridDraftSource(Scripted([()] * 7), model, model_costs=costs, clock=clock)
+    hybrid = past_first_round(HybridDraftSource(Scripted([()] * 8), model, model_costs=costs, clock=clock), 16)
     for _ in range(7):  # every draft accepted, each verify taking what its curve says
         draft = hybrid.propose(16)
         clock.now += costs.verify_s(len(draft.tokens))
@@ -272,7 +292,7 @@ def test_a_model_round_is_timed_whole_so_a_verify_slowed_by_the_drafter_counts()
 
     def run(verify_extra_s):
         model = Model([(7,)] * 6)
-        hybrid = HybridDraftSource(Scripted([()] * 6), model, model_costs=costs, clock=clock)
+        hybrid = past_first_round(HybridDraftSource(Scripted([()] * 7), model, model_costs=costs, clock=clock), 1)
         for accepted in (1, 0, 1, 1, 0):  # 60%
             if hybrid.propose(1).source != "model":
                 break  # it has priced itself out
@@ -327,7 +347,8 @@ def test_one_slow_round_of_the_first_few_does_not_put_the_model_off():
     costs = CostEstimate(0.7, 0.012, 0.0414, 0.0, verify_curve=((0, 0.0414), (1, 0.0458), (4, 0.090)),
                          target_streams=True)
     clock, extras = Clock(), iter([0.2, 0.003, 0.052, 0.004])
-    hybrid = HybridDraftSource(Scripted([()] * 4), Scripted([(7,)] * 4), model_costs=costs, clock=clock)
+    hybrid = past_first_round(HybridDraftSource(Scripted([()] * 5), Scripted([(7,)] * 4), model_costs=costs,
+                                                clock=clock), 1)
     for _ in range(3):
         assert hybrid.propose(1).source == "model"
         clock.now += 0.012 + costs.verify_s(1) + next(extras)
@@ -451,13 +472,16 @@ def test_the_loop_streams_the_stretches_the_hybrid_waits_and_syncs_the_suffix_dr
 
 
 def test_the_hybrid_model_session_opens_on_the_recent_window():
-    """A draft model joining a hybrid generation late (or on a long conversation) prefills only the last tokens."""
-    from coordinator.fleet.remote_sessions import LazyDraftSource
+    """A draft model joining a hybrid generation late (or on a long conversation) prefills only the recent tokens,
+    from a start that stays put while the conversation grows (the worker's prefix cache then holds the last turn's)."""
+    from coordinator.fleet.remote_sessions import LazyDraftSource, window_start
     opened = []
     lazy = LazyDraftSource(list(range(1000)), lambda history: opened.append(history) or Scripted([(1,)]), window=256)
     lazy.update([5000, 5001])
     assert lazy.propose(1).tokens == (1,)
-    assert opened == [[*range(746, 1000), 5000, 5001]]
+    assert opened == [[*range(512, 1000), 5000, 5001]]
+    assert [window_start(n, 256) for n in (0, 255, 256, 511, 512, 767, 768, 1002)] == [0, 0, 0, 0, 256, 256, 512, 512]
+    assert all(256 <= n - window_start(n, 256) < 512 for n in range(256, 5000)), "between window and 2 x window"
     whole = LazyDraftSource([1, 2, 3], lambda history: opened.append(history) or Scripted([]))
     whole.propose(1)
     assert opened[-1] == [1, 2, 3]

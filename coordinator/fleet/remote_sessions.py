@@ -11,8 +11,9 @@ cancelled and GenerationCancelled ends the generation.
 The drafter session is opened on the first round that drafts (LazyDraftSource): a generation that never drafts sends
 the drafter nothing. A drafter that fell more than MAX_DRAFTER_BACKLOG tokens behind since its last call (rounds
 without drafts in between: the cost policy's k = 0 before a probe, a drafter outage) does not catch up on all of them
-inside the round: its context restarts from the last RESTART_CONTEXT tokens, a short prefill (the draft model guesses
-from recent context). Output never depends on the drafter's context: the verifier checks every draft.
+inside the round: it skips them, and its context goes on from the last RESTART_CONTEXT tokens, a short prefill (the
+draft model guesses from recent context). What it held stays (a drafter that holds nothing of the session, after an
+outage, gets only those tokens). Output never depends on the drafter's context: the verifier checks every draft.
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ from specmesh.wire.history import TokenHistory
 
 log = logging.getLogger("specmesh.sessions")
 
-# Tokens committed since the drafter's last call that it may catch up on inside a round; beyond that its context
-# restarts from the last RESTART_CONTEXT tokens (a probe costs about a round, never a long prefill).
+# Tokens committed since the drafter's last call that it may catch up on inside a round; beyond that it skips to the
+# last RESTART_CONTEXT tokens (a probe costs about a round, never a long prefill).
 MAX_DRAFTER_BACKLOG = 64
 RESTART_CONTEXT = 32
 
@@ -275,21 +276,26 @@ class DegradingDraftSession:
         # How much of the history the drafter has been brought up to (the prompt counts as given: a first call
         # prefills it, as the verifier does); what was committed after it is the backlog.
         self.caught_up = len(prompt)
-        self.restarts = 0  # times the context restarted from recent tokens instead of catching up
+        self.restarts = 0  # times it skipped a backlog (to the recent tokens) instead of catching up
 
     def _skip_backlog(self) -> None:
-        """More than MAX_DRAFTER_BACKLOG tokens committed since the drafter's last call: restart its context from the
-        last RESTART_CONTEXT of them (sent in full on this call) instead of prefilling them all in this round. Drafts
-        are only proposals, so this changes acceptance at most, never the output."""
+        """More than MAX_DRAFTER_BACKLOG tokens committed since the drafter's last call: skip them, so that its
+        history goes on from the last RESTART_CONTEXT of them after what it holds, instead of prefilling them all in
+        this round. What it holds stays: a restart from the recent tokens alone overwrote the session's cells, and
+        with them the prefix the worker's cache would have kept for the conversation's next turn (whose session then
+        prefilled its whole window). Drafts are only proposals, so the gap changes acceptance at most, never the
+        output."""
         sync = self.link.sync
         behind = len(sync.history) - self.caught_up
         if behind <= MAX_DRAFTER_BACKLOG:
             return
-        sync.history = TokenHistory(sync.history.tokens[-RESTART_CONTEXT:])
-        sync.server_length = 0  # the whole (short) history goes with this call; the server drops what it held
-        self.caught_up = 0
+        # 0 where the drafter holds nothing of the session (a failed call detached it: it may have restarted)
+        held = min(sync.server_length, self.caught_up) if self.link.endpoint is not None else 0
+        sync.history = TokenHistory([*sync.history.tokens[:held], *sync.history.tokens[-RESTART_CONTEXT:]])
+        sync.server_length = self.caught_up = held
         self.restarts += 1
-        log.debug("drafter %d tokens behind: context restarts from the last %d", behind, RESTART_CONTEXT)
+        log.debug("drafter %d tokens behind: it skips to the last %d after the %d it holds", behind,
+                  RESTART_CONTEXT, held)
 
     def propose(self, k: int, after: Sequence[int] = ()) -> Draft:
         if self.link.cancel is not None:

@@ -189,7 +189,7 @@ def test_a_drafter_far_behind_restarts_from_recent_tokens_instead_of_catching_up
     assert all(r.drafted == r.accepted == 3 for r in result.rounds[-10:-1]), "drafting as before the outage"
 
 
-def test_a_backlog_within_the_window_is_caught_up_and_a_longer_one_restarts(fleets):
+def test_a_backlog_within_the_window_is_caught_up_and_a_longer_one_skipped(fleets):
     _, drafters, drafter_fleet = fleets()
     session = DegradingDraftSession(drafters, "s1", PROMPT, SamplingParams(), 0, CONFIG, FaultStats())
     session.propose(2)
@@ -204,9 +204,12 @@ def test_a_backlog_within_the_window_is_caught_up_and_a_longer_one_restarts(flee
     session.propose(1)
     contexts = [(c.base_length, list(c.new_tokens)) for c in drafter_fleet[0].stub.contexts("Propose")]
     assert contexts[1] == (len(PROMPT), history[len(PROMPT):len(PROMPT) + MAX_DRAFTER_BACKLOG]), "64: caught up"
-    assert contexts[2] == (0, full[-RESTART_CONTEXT:]), "65: restarted from the last RESTART_CONTEXT"
-    assert contexts[3] == (RESTART_CONTEXT, [7]), "then deltas again, on the restarted context"
+    held = len(PROMPT) + MAX_DRAFTER_BACKLOG
+    assert contexts[2] == (held, full[-RESTART_CONTEXT:]), "65: skipped to the last RESTART_CONTEXT after what it held"
+    assert contexts[3] == (held + RESTART_CONTEXT, [7]), "then deltas again"
     assert session.restarts == 1
+    # What it held stays on the drafter (the worker's prefix cache keeps it for the conversation's next turn).
+    assert drafter_fleet[0].stub.sessions["s1"].tokens == [*full[:held], *full[-RESTART_CONTEXT:], 7]
 
 
 # ---- the summary line and the --json stats ----

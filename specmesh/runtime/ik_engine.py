@@ -194,12 +194,15 @@ class IkLlamaEngine(GgufEngine):
         allows one; True when it made one. Called at the end of a worker's warm-up and then while it serves no request
         (specmesh/worker/idle_upkeep.py): making a context clears its KV cells, and memory touched for the first time
         can be slow to fault in. On a 2-core VM, 4096 cells of the 1.5B target (35,600 page faults) took 0.08 s in a
-        fresh process and 0.5-1.8 s once the weights were resident, time a request would wait before its first token."""
+        fresh process and 0.5-1.8 s once the weights were resident, time a request would wait before its first token.
+        Not while a session holds a context: it is between two calls of its generation (a verifier waits while the
+        drafter drafts, a drafter while the verifier verifies), and its next call would wait for the new context
+        (the real pair, Zen 4: a one-draft verify of 46 ms took 300-430 ms after a draft model round of 150-300 ms)."""
         with self._lock:
             if self._closed or not self.prefix_cache:  # without the prefix cache, any idle context is a spare
                 return False
             self._take_released()
-            if self._spare_context() is not None or not self._may_add_context():
+            if self.contexts_in_use or self._spare_context() is not None or not self._may_add_context():
                 return False
             self._new_context()
             return True

@@ -263,8 +263,11 @@ def test_a_spare_context_made_while_idle_serves_the_next_unmatched_session_exact
         assert torch.equal(unseen.logits_for(tokens[:20] + [7, 8, 9], 1),
                            one_token_logits(engine, tokens[:20] + [7, 8, 9], 22))
         assert len(engine._contexts) == contexts + 1  # it took the spare
+        assert not engine.keep_spare_context(), "no spare while a session is between two calls: it would wait"
+        del unseen
         gc.collect()
         assert torch.equal(engine.new_sequence().logits_for(tokens, 1), expected)
+        gc.collect()
         while engine.keep_spare_context():  # up to the budget, never past it
             pass
         assert len(engine._contexts) == engine.max_contexts == 3

@@ -140,10 +140,13 @@ class BatchingWorkerEngine:
     # ------------------------------------------------------------------ sessions and background work
 
     def end_session(self, session_id: str) -> bool:
-        """Forget a session: its KV cache, and that it may come back soon (no batch waits for it)."""
-        with self._queue_lock:
-            self._answered_at.pop(session_id, None)
-        return self.sessions.end(session_id)
+        """Forget a session: its KV cache, and that it may come back soon (no batch waits for it). Counted as a
+        request: the idle upkeep looks again once it is over (a context the session held may now leave room for a
+        spare, which the upkeep declined to make while the session held it)."""
+        with self._activity.request():
+            with self._queue_lock:
+                self._answered_at.pop(session_id, None)
+            return self.sessions.end(session_id)
 
     def _start_background_work(self, probes: Mapping[Hashable, Callable[[], float | None]],
                                to_costs: Callable[[dict], Any]) -> None:

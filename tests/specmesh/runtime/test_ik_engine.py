@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import random
+import time
 
 import pytest
 import torch
@@ -293,6 +294,7 @@ def test_a_verifier_has_a_spare_context_after_warm_up_for_its_first_session_and_
         from specmesh.wire.history import EMPTY_HASH
         verifier.verify("first", 0, EMPTY_HASH, list(range(3000, 3030)), [], [], SamplingParams(), 0)
         assert len(engine._contexts) == contexts  # the first session's pass made no context
+        time.sleep(0.5)  # the upkeep looks while the session holds its context (and declines), then sleeps
         verifier.end_session("first")
         wait_until(lambda: verifier._upkeep.runs == 1, timeout_s=30)  # another spare once it is idle again
     finally:

@@ -36,7 +36,8 @@ PROBE_REPEATS = 3
 QUIET_BEFORE_PROBE_S = 0.1
 STOP_WAIT_S = 10.0  # how long stopping waits for the probe call in flight (one call: far less on any model served)
 # A probe call during which other processes computed (machine_load.OthersCpu) is made again after this pause, for at
-# most BUSY_RETRY_S of such calls and pauses in all; past that, the costs are measured on the busy machine (logged).
+# most BUSY_RETRY_S of such calls and pauses in all; past that, the costs are measured on the busy machine (logged,
+# never cached, and not used where costs an earlier start measured are).
 BUSY_PAUSE_S = 0.5
 BUSY_RETRY_S = 20.0
 # Before a probe call, other processes' CPU is sampled this long, and while they compute the call waits (within the
@@ -124,16 +125,18 @@ def _turns_path():
     return cache_dir() / "costs" / "probe.lock"
 
 
-def read_cached_costs(key: dict | None, max_age_s: float | None = None) -> Any | None:
+def read_cached_costs(key: dict | None, max_age_s: float | None = None, quiet: bool = False) -> Any | None:
     """The costs measured for `key` within `max_age_s` (default COST_CACHE_TTL_S), as they were written; None when
     there are none (or no key): a restarted worker (after a crash, for failover) reports them from its first Info
-    instead of measuring."""
+    instead of measuring. `quiet`: only costs measured on a quiet machine (not `disturbed`)."""
     import json
 
     if key is None:
         return None
     try:
         cached = json.loads(_cache_path(key).read_text())
+        if quiet and cached.get("disturbed", False):
+            return None
         if time.time() - cached["measured_at"] < (COST_CACHE_TTL_S if max_age_s is None else max_age_s):
             return cached["costs"]
     except (OSError, ValueError, KeyError, TypeError):
@@ -141,9 +144,10 @@ def read_cached_costs(key: dict | None, max_age_s: float | None = None) -> Any |
     return None
 
 
-def write_cached_costs(key: dict | None, costs: Any) -> None:
+def write_cached_costs(key: dict | None, costs: Any, disturbed: bool = False) -> None:
     """Keep what was measured for `key` (JSON-able) for the next start; nothing without a key. A failure to write is
-    logged, never raised: the worker serves the same without its cache."""
+    logged, never raised: the worker serves the same without its cache. `disturbed`: measured while other processes
+    computed (the next start reports them, and measures again)."""
     import json
 
     if key is None:
@@ -152,7 +156,7 @@ def write_cached_costs(key: dict | None, costs: Any) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"key": key, "costs": costs, "measured_at": time.time()}))
+        tmp.write_text(json.dumps({"key": key, "costs": costs, "measured_at": time.time(), "disturbed": disturbed}))
         tmp.replace(path)  # atomic: a worker starting meanwhile reads the old file or the new one, never half of one
     except OSError as e:
         log.warning("could not cache the measured costs in %s: %s", path, e)
@@ -243,8 +247,12 @@ class BackgroundCostProbe:
     def __init__(self, role: str, activity: RequestActivity, probes: Mapping[Key, Callable[[], float | None]],
                  to_costs: Callable[[dict[Key, float]], Any], publish: Callable[[Any], None],
                  cache_key: dict | None, finish: Callable[[], None] = lambda: None,
-                 others_cpu: Callable[[], OthersCpu] | None = None) -> None:
+                 others_cpu: Callable[[], OthersCpu] | None = None, published_stale: bool = False) -> None:
+        """`published_stale`: costs an earlier start measured were published already (past COST_CACHE_TTL_S): a
+        measurement disturbed by other processes does not replace them."""
         self.role = role
+        self._published_stale = published_stale
+        self.disturbed_calls = 0  # calls kept although other processes computed (the budget for waiting was spent)
         # What other processes did during a probe call (tests give their own).
         self._others_cpu = others_cpu if others_cpu is not None else OthersCpu
         self._busy_s = 0.0  # spent on calls made again because other processes computed, and the pauses after them
@@ -289,6 +297,22 @@ class BackgroundCostProbe:
             return
         finally:
             self._finish()
+        if self.disturbed_calls:
+            # Read on a busy machine: on 2 cores a drafter's cost measured while its verifier served read 33.6 ms a
+            # token against 8-10 ms quiet, and once cached it priced the draft model out of every generation for
+            # the cache's 6 hours. So it never replaces costs measured quietly, and is cached as disturbed: the next
+            # start reports it (better than none) and measures again.
+            if self._published_stale:
+                log.warning("%s: costs measured on a busy machine (%d calls beside other processes' work) not used: "
+                            "it keeps the ones measured quietly before, and measures again at its next start: %s",
+                            self.role, self.disturbed_calls, costs)
+                return
+            self._publish(costs)
+            write_cached_costs(self._cache_key, costs, disturbed=True)
+            log.warning("%s: costs measured in %.1f s on a busy machine (%d calls beside other processes' work): "
+                        "used, and measured again at the next start: %s", self.role, time.monotonic() - started,
+                        self.disturbed_calls, costs)
+            return
         self._publish(costs)
         write_cached_costs(self._cache_key, costs)
         log.info("%s: costs measured in the background in %.1f s%s: %s", self.role, time.monotonic() - started,
@@ -333,6 +357,7 @@ class BackgroundCostProbe:
                 if not others.busy:
                     return seconds
                 if self._busy_s + others.wall_s + BUSY_PAUSE_S > BUSY_RETRY_S:
+                    self.disturbed_calls += 1
                     if not self._warned_busy:
                         log.warning("%s: other processes kept computing while its costs were measured (%.2f CPU s "
                                     "in a %.2f s call): the costs may read high", self.role, others.others_s,
@@ -370,12 +395,13 @@ def costs_now_or_in_background(role: str, loaded, activity: RequestActivity,
                                to_costs: Callable[[dict[Key, float]], Any], publish: Callable[[Any], None],
                                finish: Callable[[], None] = lambda: None) -> BackgroundCostProbe | None:
     """The end of a warm-up: publish the costs cached for this model, engine and machine at once; else start measuring
-    them in the background (returned, to be stopped with the engine). Costs older than COST_CACHE_TTL_S are published
-    too, and measured again meanwhile: a short-lived worker (`make run` stops its workers after one answer, often
+    them in the background (returned, to be stopped with the engine). Costs older than COST_CACHE_TTL_S, or measured
+    on a busy machine, are published too, and measured again meanwhile: a short-lived worker (`make run` stops its workers after one answer, often
     before a probe ends) still starts from them, rather than from none until some run outlives its probe."""
     key = cost_cache_key(role, loaded)
-    for max_age_s in (COST_CACHE_TTL_S, float("inf")):
-        cached = read_cached_costs(key, max_age_s)
+    published_stale = False  # costs measured quietly, past their age, published: a busy measurement keeps them
+    for max_age_s, quiet in ((COST_CACHE_TTL_S, True), (float("inf"), False)):
+        cached = read_cached_costs(key, max_age_s, quiet=quiet)
         if cached is None:
             continue
         try:
@@ -383,9 +409,11 @@ def costs_now_or_in_background(role: str, loaded, activity: RequestActivity,
         except (TypeError, ValueError) as e:  # not what this version writes: measured again, and overwritten
             log.warning("%s: ignoring cached costs %r: %s", role, cached, e)
             break
-        if max_age_s == COST_CACHE_TTL_S:
+        if quiet:
             return None
-        log.info("%s: reporting costs measured over %g h ago while it measures them again", role,
-                 COST_CACHE_TTL_S / 3600)
+        published_stale = read_cached_costs(key, max_age_s, quiet=True) is not None
+        log.info("%s: reporting costs measured %s while it measures them again", role,
+                 f"over {COST_CACHE_TTL_S / 3600:g} h ago" if published_stale else "on a busy machine")
         break
-    return BackgroundCostProbe(role, activity, probes, to_costs, publish, key, finish).start()
+    return BackgroundCostProbe(role, activity, probes, to_costs, publish, key, finish,
+                               published_stale=published_stale).start()

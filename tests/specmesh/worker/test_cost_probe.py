@@ -156,6 +156,47 @@ def test_a_machine_that_stays_busy_delays_the_costs_by_the_budget_only_and_says_
         "costs may read high") == 1
 
 
+def test_costs_measured_on_a_busy_machine_are_used_but_never_cached(monkeypatch, caplog):
+    monkeypatch.setattr(cost_probe, "BUSY_PAUSE_S", 0.02)
+    monkeypatch.setattr(cost_probe, "BUSY_RETRY_S", 0.05)
+    key = {"role": "test"}
+    probes = Probes({"a": [0.9, 0.8, 0.7, 0.6, 0.5]})
+    with caplog.at_level(logging.WARNING, logger=cost_probe.__name__):
+        probe = probes.background(RequestActivity(), ["a"], key, others_cpu=BusyFirst(float("inf"))).start()
+        probe.thread.join(5)
+    assert probes.published == [[("a", 0.5)]] and probe.disturbed_calls == 3
+    assert read_cached_costs(key) == [["a", 0.5]] and read_cached_costs(key, quiet=True) is None
+    assert "used, and measured again at the next start" in caplog.text
+    # The next start reports them at once, and measures again: on a quiet machine, cached as always.
+    monkeypatch.setattr(cost_probe, "cost_cache_key", lambda role, loaded: key)
+    quiet = Probes({"a": [0.3, 0.2, 0.4]})
+    with caplog.at_level(logging.INFO, logger=cost_probe.__name__):
+        background = costs_now_or_in_background("test", None, RequestActivity(), {"a": quiet.call("a")},
+                                                to_costs=lambda s: s["a"], publish=quiet.published.append)
+        assert background is not None and wait_until(lambda: not background.thread.is_alive(), 5)
+    assert quiet.published == [[["a", 0.5]], 0.2] and read_cached_costs(key, quiet=True) == 0.2
+    assert "reporting costs measured on a busy machine while it measures them again" in caplog.text
+
+
+def test_costs_measured_on_a_busy_machine_do_not_replace_older_ones_measured_quietly(monkeypatch, caplog):
+    monkeypatch.setattr(cost_probe, "BUSY_PAUSE_S", 0.02)
+    monkeypatch.setattr(cost_probe, "BUSY_RETRY_S", 0.05)
+    monkeypatch.setattr(cost_probe, "OthersCpu", BusyFirst(float("inf")))
+    key = {"role": "test"}
+    monkeypatch.setattr(cost_probe, "cost_cache_key", lambda role, loaded: key)
+    write_cached_costs(key, 0.25)
+    monkeypatch.setattr(cost_probe, "COST_CACHE_TTL_S", 0.0)  # past its age: published, and measured again
+    probes = Probes({"a": [0.9, 0.8, 0.7, 0.6, 0.5]})
+    with caplog.at_level(logging.WARNING, logger=cost_probe.__name__):
+        background = costs_now_or_in_background("test", None, RequestActivity(), {"a": probes.call("a")},
+                                                to_costs=lambda s: s["a"], publish=probes.published.append)
+        assert background is not None and wait_until(lambda: not background.thread.is_alive(), 5)
+    assert probes.published == [0.25] and background.disturbed_calls == 3
+    assert read_cached_costs(key, float("inf")) == 0.25
+    assert read_cached_costs(key, float("inf"), quiet=True) == 0.25
+    assert "it keeps the ones measured quietly before, and measures again at its next start" in caplog.text
+
+
 def test_the_probes_of_one_machine_take_turns(monkeypatch):
     """Two workers' probes (here two in one process, as in tests and embeddings): never two calls at once."""
     running, overlaps = [], []

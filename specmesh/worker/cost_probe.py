@@ -37,7 +37,7 @@ QUIET_BEFORE_PROBE_S = 0.1
 STOP_WAIT_S = 10.0  # how long stopping waits for the probe call in flight (one call: far less on any model served)
 # A probe call during which other processes computed (machine_load.OthersCpu) is made again after this pause, for at
 # most BUSY_RETRY_S of such calls and pauses in all; past that, the costs are measured on the busy machine (logged,
-# never cached, and not used where costs an earlier start measured are).
+# cached as disturbed, and not used where costs measured quietly by an earlier start were published).
 BUSY_PAUSE_S = 0.5
 BUSY_RETRY_S = 20.0
 # Before a probe call, other processes' CPU is sampled this long, and while they compute the call waits (within the
@@ -247,11 +247,11 @@ class BackgroundCostProbe:
     def __init__(self, role: str, activity: RequestActivity, probes: Mapping[Key, Callable[[], float | None]],
                  to_costs: Callable[[dict[Key, float]], Any], publish: Callable[[Any], None],
                  cache_key: dict | None, finish: Callable[[], None] = lambda: None,
-                 others_cpu: Callable[[], OthersCpu] | None = None, published_stale: bool = False) -> None:
-        """`published_stale`: costs an earlier start measured were published already (past COST_CACHE_TTL_S): a
-        measurement disturbed by other processes does not replace them."""
+                 others_cpu: Callable[[], OthersCpu] | None = None, published_quiet: bool = False) -> None:
+        """`published_quiet`: costs an earlier start measured on a quiet machine were published already (past
+        COST_CACHE_TTL_S): a measurement disturbed by other processes does not replace them."""
         self.role = role
-        self._published_stale = published_stale
+        self._published_quiet = published_quiet
         self.disturbed_calls = 0  # calls kept although other processes computed (the budget for waiting was spent)
         # What other processes did during a probe call (tests give their own).
         self._others_cpu = others_cpu if others_cpu is not None else OthersCpu
@@ -297,26 +297,25 @@ class BackgroundCostProbe:
             return
         finally:
             self._finish()
-        if self.disturbed_calls:
-            # Read on a busy machine: on 2 cores a drafter's cost measured while its verifier served read 33.6 ms a
-            # token against 8-10 ms quiet, and once cached it priced the draft model out of every generation for
-            # the cache's 6 hours. So it never replaces costs measured quietly, and is cached as disturbed: the next
-            # start reports it (better than none) and measures again.
-            if self._published_stale:
-                log.warning("%s: costs measured on a busy machine (%d calls beside other processes' work) not used: "
-                            "it keeps the ones measured quietly before, and measures again at its next start: %s",
-                            self.role, self.disturbed_calls, costs)
-                return
-            self._publish(costs)
-            write_cached_costs(self._cache_key, costs, disturbed=True)
-            log.warning("%s: costs measured in %.1f s on a busy machine (%d calls beside other processes' work): "
-                        "used, and measured again at the next start: %s", self.role, time.monotonic() - started,
-                        self.disturbed_calls, costs)
+        # Read on a busy machine: on 2 cores a drafter's cost measured while its verifier served read 33.6 ms a token
+        # against 12.0 ms quiet, and once cached it priced the draft model out of every generation for the cache's 6
+        # hours. So it never replaces costs measured quietly, and is cached as disturbed: the next start reports it
+        # (better than none) and measures again.
+        if self.disturbed_calls and self._published_quiet:
+            log.warning("%s: costs measured on a busy machine (%d calls beside other processes' work) not used: it "
+                        "keeps the ones measured quietly before, and measures again at its next start: %s",
+                        self.role, self.disturbed_calls, costs)
             return
         self._publish(costs)
-        write_cached_costs(self._cache_key, costs)
-        log.info("%s: costs measured in the background in %.1f s%s: %s", self.role, time.monotonic() - started,
-                 f" ({self.busy_calls} calls made again: other processes computed)" if self.busy_calls else "", costs)
+        write_cached_costs(self._cache_key, costs, disturbed=self.disturbed_calls > 0)
+        took = time.monotonic() - started
+        if self.disturbed_calls:
+            log.warning("%s: costs measured in %.1f s on a busy machine (%d calls beside other processes' work): "
+                        "used, and measured again at the next start: %s", self.role, took, self.disturbed_calls, costs)
+        else:
+            log.info("%s: costs measured in the background in %.1f s%s: %s", self.role, took,
+                     f" ({self.busy_calls} calls made again: other processes computed)" if self.busy_calls else "",
+                     costs)
 
     def _machine_quiet(self) -> bool:
         """Sample other processes' CPU for quiet_machine_sample_s(): True when they were quiet (or the budget for
@@ -396,10 +395,11 @@ def costs_now_or_in_background(role: str, loaded, activity: RequestActivity,
                                finish: Callable[[], None] = lambda: None) -> BackgroundCostProbe | None:
     """The end of a warm-up: publish the costs cached for this model, engine and machine at once; else start measuring
     them in the background (returned, to be stopped with the engine). Costs older than COST_CACHE_TTL_S, or measured
-    on a busy machine, are published too, and measured again meanwhile: a short-lived worker (`make run` stops its workers after one answer, often
-    before a probe ends) still starts from them, rather than from none until some run outlives its probe."""
+    on a busy machine, are published too, and measured again meanwhile: a short-lived worker (`make run` stops its
+    workers after one answer, often before a probe ends) still starts from them, rather than from none until some run
+    outlives its probe."""
     key = cost_cache_key(role, loaded)
-    published_stale = False  # costs measured quietly, past their age, published: a busy measurement keeps them
+    published_quiet = False  # costs measured quietly, past their age, published: a busy measurement keeps them
     for max_age_s, quiet in ((COST_CACHE_TTL_S, True), (float("inf"), False)):
         cached = read_cached_costs(key, max_age_s, quiet=quiet)
         if cached is None:
@@ -411,9 +411,9 @@ def costs_now_or_in_background(role: str, loaded, activity: RequestActivity,
             break
         if quiet:
             return None
-        published_stale = read_cached_costs(key, max_age_s, quiet=True) is not None
+        published_quiet = read_cached_costs(key, max_age_s, quiet=True) is not None
         log.info("%s: reporting costs measured %s while it measures them again", role,
-                 f"over {COST_CACHE_TTL_S / 3600:g} h ago" if published_stale else "on a busy machine")
+                 f"over {COST_CACHE_TTL_S / 3600:g} h ago" if published_quiet else "on a busy machine")
         break
     return BackgroundCostProbe(role, activity, probes, to_costs, publish, key, finish,
-                               published_stale=published_stale).start()
+                               published_quiet=published_quiet).start()

@@ -156,7 +156,7 @@ def test_a_machine_that_stays_busy_delays_the_costs_by_the_budget_only_and_says_
         "costs may read high") == 1
 
 
-def test_costs_measured_on_a_busy_machine_are_used_but_never_cached(monkeypatch, caplog):
+def test_costs_measured_on_a_busy_machine_are_used_and_cached_as_disturbed(monkeypatch, caplog):
     monkeypatch.setattr(cost_probe, "BUSY_PAUSE_S", 0.02)
     monkeypatch.setattr(cost_probe, "BUSY_RETRY_S", 0.05)
     key = {"role": "test"}

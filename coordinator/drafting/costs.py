@@ -76,6 +76,8 @@ class CostEstimate:
     # How much longer a round with drafts takes than these costs say (measured_drafting_slowdown): drafter and
     # verifier on shared cores, contexts longer than the workers' warm-up probes.
     drafting_slowdown: float = 1.0
+    # Seconds a streamed token took where a generation measured it (the hybrid's stretches without drafts); None: v(0)
+    streamed_token_s: float | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.acceptance <= 1.0 or (self.bet_hit is not None and not 0.0 <= self.bet_hit <= 1.0):
@@ -87,6 +89,8 @@ class CostEstimate:
             raise ValueError(f"bet_slowdown must be >= 1: {self}")
         if not self.drafting_slowdown > 0:
             raise ValueError(f"drafting_slowdown must be > 0: {self}")
+        if self.streamed_token_s is not None and not self.streamed_token_s > 0:
+            raise ValueError(f"streamed_token_s must be > 0: {self}")
         if self.tail_acceptance is not None and not 0.0 <= self.tail_acceptance <= 1.0:
             raise ValueError(f"tail_acceptance must be a probability: {self}")
         if any(not 0.0 <= p <= 1.0 for p in self.survival) or list(self.survival) != sorted(self.survival,
@@ -165,9 +169,11 @@ class CostEstimate:
         return _could_pay(self, maximum, acceptance)
 
     def target_only_s(self) -> float:
-        """Seconds per token without drafts: streamed (the loop streams every stretch without drafts), v(0); else a
-        round with k = 0, its round trip included."""
-        return self.verify_s(0) if self.target_streams else self.round_s(0)
+        """Seconds per token without drafts: streamed (the loop streams every stretch without drafts), v(0) or what
+        the streamed tokens measured; else a round with k = 0, its round trip included."""
+        if not self.target_streams:
+            return self.round_s(0)
+        return self.verify_s(0) if self.streamed_token_s is None else self.streamed_token_s
 
     def drafting_off(self, maximum: int) -> DraftingOff | None:
         """Why no draft length up to `maximum` pays even at PLAUSIBLE_ACCEPTANCE, with the numbers: for every k >= 1,

@@ -15,18 +15,20 @@ draft of any length is the round's where verifying it commits tokens at least as
 on prose, matches of a few common tokens are mostly rejected (12-17% in `coordinator bench-serve`'s prose turns), and
 a verify of three drafts costs 1.5 target steps where streaming the next token costs one.
 
-The model's acceptance is its recent rounds' (ACCEPTANCE_WINDOW). Once it has put the model off, the model is asked
-again after MODEL_PROBE_TOKENS tokens without it (a probe), judged afresh from its prior as at the start of a
-generation, since the text it is asked about is new; a probe rejected outright leaves it off until the next, after
-twice the wait.
+The model's acceptance is its recent rounds' (ACCEPTANCE_WINDOW), estimated as the cost policy's is (accepted drafts
+against rounds stopped early). Once it has put the model off, the model is asked again after MODEL_PROBE_TOKENS tokens
+without it (a probe), judged afresh from its prior as at the start of a generation, since the text it is asked about
+is new; a probe rejected outright leaves it off until the next, after twice the wait. Where the prior's acceptance
+prices the model off from the start, its first round is a probe. A probe drafts what the model would on text it
+follows (the k best at PLAUSIBLE_ACCEPTANCE): one draft said too little to turn it back on.
 Without probes, on the real pair a first model round rejected on a code prompt left the rest of it to target-only
 decoding (1.0x), on text whose later model rounds were accepted 80% of the time.
 
 What the model's rounds measure belongs to the model alone (coordinator/drafting/learned.py): its acceptance, and how
 much longer its rounds took than its costs price them, as seconds a round (`model_overhead_s`: the Propose call, the
-cores changing hands between verifier and drafter, catching up on the few tokens the suffix drafter drafted since its
-last call; a round after a long stretch without the model is not timed: its catch-up is a one-off). That extra is a
-fixed cost per round, not per token: on the real pair (2 shared cores) model rounds of
+cores changing hands between verifier and drafter). Only a round right after another model round is timed: after a
+suffix round or a stream the model first catches up on what they committed, a cost of switching sources. The overhead
+is a fixed cost per round, not per token: on the real pair (2 shared cores) model rounds of
 1, 2 and 3 drafts took 21, 35 and 45 ms against 12 ms a draft token measured alone, so about 9 ms a round. Priced as
 a factor on every draft token (1.75x at k = 1, and more once one slow round counts), drafts looked dearer the longer
 they were, and the model drafted 1 token where 3 paid. A round is timed whole, from the Propose call to the verdict:
@@ -38,6 +40,8 @@ timed, the faster one. On fresh workers (`coordinator generate` starting them) a
 round took 110 ms where its costs priced 58 and the second 61: the median of the two put the model off for the rest of
 the generation, 0.84x target-only where the same prompt ran 1.13x on the next generation. A slow model round
 never makes the suffix drafter's free drafts look expensive.
+What the model competes with, target-only decoding, is priced the same way once two stretches without drafts have
+measured it: at what their tokens took (`streamed_token_s`), not at the verifier's v(0) measured on an idle machine.
 
 The first round leaves the model out (the suffix drafter's draft, or none): the draft model's session opens on its
 first round and prefills the prompt, and the verifier's prefill, which gives the first token, would wait for it. On
@@ -78,6 +82,7 @@ MODEL_PROBE_TOKENS = 16  # the model off by its acceptance: tokens without it be
 MODEL_PROBE_MAX_TOKENS = 128  # ... doubling after each probe rejected outright, up to this many
 MAX_WAIT_TOKENS = 16  # nothing to draft: the longest stretch decoded before the suffix drafter is asked again
 OVERHEAD_WINDOW = 8  # recent timed model rounds whose extra over their price gives the model's overhead
+STREAM_WINDOW = 8  # recent stretches without drafts whose seconds a token price target-only decoding
 MIN_OVERHEAD_ROUNDS = 2  # model rounds (the opening one aside) timed before their overhead counts
 
 
@@ -115,6 +120,9 @@ class HybridDraftSource:
         # from its Propose call to its verdict (update)
         self._model_timings: list[tuple[float, float]] = []
         self._timing: tuple[float, float] | None = None  # the model round under verification: (started, priced)
+        self._model_last = False  # the last round was the model's
+        self._stream_started: float | None = None  # the stretch without drafts under way: when it was asked for
+        self._stream_timings: deque[float] = deque(maxlen=STREAM_WINDOW)  # seconds a token, per stretch
         self._misses = 0  # suffix calls in a row that found nothing to draft (the wait before the next one doubles)
         self._unsynced = 0  # tokens committed since the suffix drafter's last call
         # The first round leaves the model out: its session would prefill the prompt before the verifier's prefill
@@ -139,13 +147,26 @@ class HybridDraftSource:
 
     def acceptance(self, source: str) -> float:
         """A source's per-token acceptance over its recent rounds, with PRIOR_WEIGHT pseudo-drafts of its prior (the
-        workers' for the model, SUFFIX_PRIOR_ACCEPTANCE for the suffix drafter). The suffix drafter's: over its drafts
-        shorter than their round's k, the ones judged against the model (a long match is another matter)."""
-        prior = SUFFIX_PRIOR_ACCEPTANCE if source == SUFFIX else (
-            self.model_costs.acceptance if self.model_costs is not None else SUFFIX_PRIOR_ACCEPTANCE)
+        workers' for the model, SUFFIX_PRIOR_ACCEPTANCE for the suffix drafter).
+
+        The model's is the geometric model's maximum-likelihood estimate, as the cost policy's (measured_acceptance):
+        each accepted draft a success, each round that stopped before its last draft one failure. The drafts after
+        the first rejected one were never judged: counted as rejected, one early miss in a round of 6 read as six, and
+        on the real pair (Zen 4, code) a 6-draft round rejected at its first token, after 12 drafts all accepted, put
+        the model off for 20 tokens, streamed at 41-48 ms each where its rounds committed one every 32-35 ms.
+        The suffix drafter's: accepted over drafted, over its drafts shorter than their round's k (the ones judged
+        against the model; a long match is another matter). A suffix match is right or wrong as a whole (a wrong one
+        mostly from its first token), so its share of drafts accepted is its matches' hit rate, and the geometric
+        E(k) at it stays below what its right matches commit: the suffix drafter is not overrated against the
+        model."""
         verdicts = self._verdicts[source]
-        return ((sum(a for _, a in verdicts) + PRIOR_WEIGHT * prior)
-                / (sum(d for d, _ in verdicts) + PRIOR_WEIGHT))
+        accepted = sum(a for _, a in verdicts)
+        if source == MODEL and self.model_costs is not None:
+            prior = self.model_costs.acceptance
+            successes = accepted + PRIOR_WEIGHT * prior
+            failures = sum(a < d for d, a in verdicts) + PRIOR_WEIGHT * (1.0 - prior)
+            return successes / max(successes + failures, 1e-9)
+        return (accepted + PRIOR_WEIGHT * SUFFIX_PRIOR_ACCEPTANCE) / (sum(d for d, _ in verdicts) + PRIOR_WEIGHT)
 
     def priced_model(self) -> CostEstimate | None:
         """The model's costs at its measured acceptance, each round priced with its measured overhead (what earlier
@@ -156,7 +177,22 @@ class HybridDraftSource:
         overhead = self.model_overhead_s() if self.timed else None
         if overhead is None and self.timed:
             overhead = self.learned_overhead_s
+        streamed = self.streamed_token_s() if self.timed else None
+        if streamed is not None:
+            costs = replace(costs, streamed_token_s=streamed)
         return costs if overhead is None else costs.with_draft_overhead(overhead)
+
+    def streamed_token_s(self) -> float | None:
+        """Seconds a token of this generation's recent stretches without drafts took (the lower median over the last
+        STREAM_WINDOW), what the model's rounds are weighed against; None until MIN_OVERHEAD_ROUNDS stretches
+        measured it (then the verifier's v(0)). The model's rounds are priced at what they measure (their overhead),
+        so target-only decoding is too: on the real pair (Zen 4) the hybrid's streamed tokens took 46 ms (median;
+        short stretches, each a stream of its own) against the 38.6 ms v(0) the verifier's probe measured on an idle
+        machine, while its model rounds were priced with the 14-22 ms a round they took beyond their costs. One-draft
+        rounds at 70% acceptance, a token every 38 ms against 46 streamed, then looked no faster than target-only."""
+        if len(self._stream_timings) < MIN_OVERHEAD_ROUNDS:
+            return None
+        return statistics.median_low(self._stream_timings)
 
     def suffix_draft_pays(self, suffix_tokens: int, model_k: int) -> bool:
         """Whether verifying the suffix drafter's draft of `suffix_tokens` commits tokens at least as fast as the
@@ -172,27 +208,43 @@ class HybridDraftSource:
         return suffix_rate >= costs.tokens_per_s(model_k)
 
     def _model_probe_due(self, k: int) -> bool:
-        """The model is off: whether to ask it again this round. Where its acceptance put it off (its opening rounds
+        """The model is off: whether to ask it this round. Where its acceptance put it off (its opening rounds
         may have been unlucky, or the text changed: prose, then code), once it has been off for a while, each probe
-        rejected outright doubling the wait; never where its costs do (no k pays even at PLAUSIBLE_ACCEPTANCE)."""
+        rejected outright doubling the wait; and where the prior's acceptance keeps it off from the start, its first
+        round is a probe: the prior is a guess, and what the model is worth on this text only its rounds can tell.
+        Never where its costs rule it out (no k pays even at PLAUSIBLE_ACCEPTANCE)."""
         wait = min(MODEL_PROBE_TOKENS << self._failed_probes, MODEL_PROBE_MAX_TOKENS)
         costs = self.priced_model()
-        return self._without_model >= wait and costs is not None and costs.could_pay(k, PLAUSIBLE_ACCEPTANCE)
+        due = self.model_rounds == 0 or self._without_model >= wait
+        return due and costs is not None and costs.could_pay(k, PLAUSIBLE_ACCEPTANCE)
+
+    def probe_k(self, k: int) -> int:
+        """A probe's draft length: the k that pays best at PLAUSIBLE_ACCEPTANCE (at least 1), what the model would
+        draft on text it follows. A probe judges the model from its prior and the probe's verdict alone, and a
+        one-draft probe said too little to move it: on the real pair (Zen 4, code) the model's first round, priced
+        off at the prior's 70%, and every probe after it drafted one token, all accepted, and each left the estimate
+        at 76%, still off; those generations streamed at 41-48 ms a token where fixed k = 2 committed one every
+        33 ms. Two accepted drafts move it to 80%, where the model pays; one rejected first draft still puts it off."""
+        costs = self.priced_model()
+        return 1 if costs is None else max(costs.at_acceptance(PLAUSIBLE_ACCEPTANCE).best_k(k), 1)
 
     def propose(self, k: int, after: Sequence[int] = ()) -> Draft:
         self._model_draft = self._suffix_draft = None
         # Not timed: a round without a verdict (it failed), and, pipelined, a round during whose verify the next
         # round's draft was bet on (this call, with `after`): the round then took the bet's time too.
-        self._timing = None
+        self._timing = self._stream_started = None
         draft = self.suffix.propose(k, after)
         self._unsynced = 0
+        after_model = self._model_last  # the last round was the model's (this one may be timed)
+        if not after:
+            self._model_last = False
         first_round, self._first_round = self._first_round and not after, False
         model_k = self.model_k(k) if self.model is not None and not self._off_until_probe and not first_round else 0
-        probing = model_k == 0 and self.model is not None and self._model_probe_due(k)
+        probing = model_k == 0 and self.model is not None and not first_round and self._model_probe_due(k)
         if probing:  # the text since its last round is new to it: judged afresh, from its prior, as at the start
             self._verdicts[MODEL].clear()
             self._off_until_probe = False
-            model_k = max(self.model_k(k), 1)
+            model_k = max(self.model_k(k), self.probe_k(k))
         full = len(draft.tokens) >= k  # a match long enough to fill the round: trusted as it is
         # Against the model, a suffix draft needs min_suffix_tokens; against target-only decoding, any length.
         long_enough = model_k == 0 or len(draft.tokens) >= self.min_suffix_tokens
@@ -206,20 +258,24 @@ class HybridDraftSource:
             return Draft()
         if model_k == 0:
             self._misses += 1
+            self._stream_started = None if after else self._clock()
             return Draft(wait_tokens=min(1 << (self._misses - 1), MAX_WAIT_TOKENS))
         if probing:
             log.debug("hybrid: probing the draft model after %d tokens without it", self._without_model)
         self._probing = probing
-        # A round after a stretch without the model pays once for catching up on the stretch (a prefill of its
-        # tokens: 60-100 ms after 20-30 tokens on the real pair), which says nothing of what the next rounds cost.
-        caught_up = self._without_model >= MODEL_PROBE_TOKENS
         self._without_model = 0
         self.model_rounds += 1
         started = self._clock()
         draft = self.model.propose(model_k, after)
         if not after:  # a pipelined bet is not this round's draft
             self._model_draft = draft.tokens
-            if self.model_rounds > 1 and self.model_costs is not None and not caught_up:
+            self._model_last = True
+            # Timed only right after another model round: the model's session then lacks only what that round
+            # committed, as in any run of model rounds. After a suffix round or a stream it first catches up on what
+            # they committed (a pass over 2-30 tokens: 20-100 ms on the real pair), a cost of switching sources, not
+            # of the model's rounds. The lower median keeps a few such rounds out, but on code, where the two sources
+            # alternate (30-60 suffix rounds a generation on the real pair), they were most of the model's rounds.
+            if after_model and self.model_costs is not None:
                 costs = self.model_costs  # the round priced whole: its drafts, then their verify
                 self._timing = (started, costs.draft_round_trip_s + model_k * costs.draft_s_per_token
                                 + costs.verify_round_trip_s + costs.verify_s(len(draft.tokens)))
@@ -230,6 +286,9 @@ class HybridDraftSource:
             started, priced = self._timing
             self._model_timings.append((self._clock() - started, priced))
             self._timing = None
+        if self._stream_started is not None and committed:  # a stretch without drafts: its seconds a token
+            self._stream_timings.append((self._clock() - self._stream_started) / len(committed))
+            self._stream_started = None
         # How much of the round's draft the target kept: the acceptance its source is judged by.
         for source, draft in ((MODEL, self._model_draft), (SUFFIX, self._suffix_draft)):
             if draft:

@@ -34,6 +34,14 @@ PROBE_REPEATS = 3
 # A probe call waits until the engine has had no request for this long: requests come first, and a call that follows
 # another closely (the next step of a stream, a burst) is not held up by a probe that slipped in between them.
 QUIET_BEFORE_PROBE_S = 0.1
+# Measuring again costs that are already published (cached by an earlier start, past their age or measured on a busy
+# machine): nothing waits for the result, so each call waits for this long without a request, and for a machine on
+# which no other process computes, with no budget (BUSY_RETRY_S does not apply: it waits as long as it takes). Between
+# two rounds of a generation a worker is idle while the other one works (a verifier while the drafter drafts or opens
+# its session: 0.02-1.8 s on the real pair); a probe call there (a verify of 16 drafts, 0.2 s) held up the next round
+# and shared the cores with the drafter: on 2 Zen 4 cores, model rounds of 0.6-3.7 s where 0.02-0.3 s was usual, in
+# every benchmark run on a verifier whose cached costs were past their age.
+QUIET_BEFORE_REMEASURE_S = 2.0
 STOP_WAIT_S = 10.0  # how long stopping waits for the probe call in flight (one call: far less on any model served)
 # A probe call during which other processes computed (machine_load.OthersCpu) is made again after this pause, for at
 # most BUSY_RETRY_S of such calls and pauses in all; past that, the costs are measured on the busy machine (logged,
@@ -247,11 +255,12 @@ class BackgroundCostProbe:
     def __init__(self, role: str, activity: RequestActivity, probes: Mapping[Key, Callable[[], float | None]],
                  to_costs: Callable[[dict[Key, float]], Any], publish: Callable[[Any], None],
                  cache_key: dict | None, finish: Callable[[], None] = lambda: None,
-                 others_cpu: Callable[[], OthersCpu] | None = None, published_quiet: bool = False) -> None:
-        """`published_quiet`: costs an earlier start measured on a quiet machine were published already (past
-        COST_CACHE_TTL_S): a measurement disturbed by other processes does not replace them."""
+                 others_cpu: Callable[[], OthersCpu] | None = None, remeasure: bool = False) -> None:
+        """`remeasure`: costs cached by an earlier start were published already (past COST_CACHE_TTL_S, or measured
+        on a busy machine): measured again on an idle machine only (QUIET_BEFORE_REMEASURE_S), never beside other
+        processes' work."""
         self.role = role
-        self._published_quiet = published_quiet
+        self._remeasure = remeasure
         self.disturbed_calls = 0  # calls kept although other processes computed (the budget for waiting was spent)
         # What other processes did during a probe call (tests give their own).
         self._others_cpu = others_cpu if others_cpu is not None else OthersCpu
@@ -269,8 +278,9 @@ class BackgroundCostProbe:
         self.thread = threading.Thread(target=self._run, name=f"{role}-cost-probe", daemon=True)
 
     def start(self) -> "BackgroundCostProbe":
-        log.info("%s: no cached costs: measuring them in the background while no request is served (Info reports "
-                 "none until then)", self.role)
+        if not self._remeasure:
+            log.info("%s: no cached costs: measuring them in the background while no request is served (Info reports "
+                     "none until then)", self.role)
         stop_at_exit(self)
         self.thread.start()
         return self
@@ -297,15 +307,10 @@ class BackgroundCostProbe:
             return
         finally:
             self._finish()
-        # Read on a busy machine: on 2 cores a drafter's cost measured while its verifier served read 33.6 ms a token
-        # against 12.0 ms quiet, and once cached it priced the draft model out of every generation for the cache's 6
-        # hours. So it never replaces costs measured quietly, and is cached as disturbed: the next start reports it
-        # (better than none) and measures again.
-        if self.disturbed_calls and self._published_quiet:
-            log.warning("%s: costs measured on a busy machine (%d calls beside other processes' work) not used: it "
-                        "keeps the ones measured quietly before, and measures again at its next start: %s",
-                        self.role, self.disturbed_calls, costs)
-            return
+        # Read on a busy machine (a first measurement only: a re-measure waits for quiet): on 2 cores a drafter's
+        # cost measured while its verifier served read 33.6 ms a token against 12.0 ms quiet, and once cached it
+        # priced the draft model out of every generation for the cache's 6 hours. So it is cached as disturbed: the
+        # next start reports it (better than none) and measures again.
         self._publish(costs)
         write_cached_costs(self._cache_key, costs, disturbed=self.disturbed_calls > 0)
         took = time.monotonic() - started
@@ -322,7 +327,7 @@ class BackgroundCostProbe:
         waiting on them, BUSY_RETRY_S shared with the calls made again, is spent); False after a busy sample and a
         pause, when the caller looks again (a request of this worker may have come meanwhile)."""
         sample_s = quiet_machine_sample_s()
-        if sample_s <= 0 or self._busy_s >= BUSY_RETRY_S:
+        if sample_s <= 0 or self._busy_s >= BUSY_RETRY_S and not self._remeasure:
             return True
         with self._others_cpu() as others:
             if self._stopped.wait(sample_s):
@@ -330,8 +335,9 @@ class BackgroundCostProbe:
         if not others.busy:
             return True
         if not self.waited_calls:
-            log.info("%s: other processes are computing: its cost probe waits for them (at most %g s in all)",
-                     self.role, BUSY_RETRY_S)
+            log.info("%s: other processes are computing: its cost probe waits for them (%s)", self.role,
+                     "for as long as they do: its costs are reported already" if self._remeasure
+                     else f"at most {BUSY_RETRY_S:g} s in all")
         self.waited_calls += 1
         self._busy_s += others.wall_s + BUSY_PAUSE_S
         if self._stopped.wait(BUSY_PAUSE_S):
@@ -344,7 +350,8 @@ class BackgroundCostProbe:
         as the BUSY_RETRY_S budget goes (see machine_load)."""
         def run() -> float:
             while True:
-                arrivals = self._activity.wait_until_quiet(QUIET_BEFORE_PROBE_S, self._stopped)
+                arrivals = self._activity.wait_until_quiet(
+                    QUIET_BEFORE_REMEASURE_S if self._remeasure else QUIET_BEFORE_PROBE_S, self._stopped)
                 if arrivals is None:
                     raise ProbeStopped
                 if not self._machine_quiet():
@@ -355,7 +362,7 @@ class BackgroundCostProbe:
                     continue
                 if not others.busy:
                     return seconds
-                if self._busy_s + others.wall_s + BUSY_PAUSE_S > BUSY_RETRY_S:
+                if self._busy_s + others.wall_s + BUSY_PAUSE_S > BUSY_RETRY_S and not self._remeasure:
                     self.disturbed_calls += 1
                     if not self._warned_busy:
                         log.warning("%s: other processes kept computing while its costs were measured (%.2f CPU s "
@@ -399,7 +406,7 @@ def costs_now_or_in_background(role: str, loaded, activity: RequestActivity,
     workers after one answer, often before a probe ends) still starts from them, rather than from none until some run
     outlives its probe."""
     key = cost_cache_key(role, loaded)
-    published_quiet = False  # costs measured quietly, past their age, published: a busy measurement keeps them
+    published = False  # costs cached by an earlier start reported: measured again on an idle machine only
     for max_age_s, quiet in ((COST_CACHE_TTL_S, True), (float("inf"), False)):
         cached = read_cached_costs(key, max_age_s, quiet=quiet)
         if cached is None:
@@ -411,9 +418,11 @@ def costs_now_or_in_background(role: str, loaded, activity: RequestActivity,
             break
         if quiet:
             return None
-        published_quiet = read_cached_costs(key, max_age_s, quiet=True) is not None
-        log.info("%s: reporting costs measured %s while it measures them again", role,
-                 f"over {COST_CACHE_TTL_S / 3600:g} h ago" if published_quiet else "on a busy machine")
+        published = True
+        measured_quietly = read_cached_costs(key, max_age_s, quiet=True) is not None
+        log.info("%s: reporting costs measured %s while it measures them again (on an idle machine: after %g s "
+                 "without a request, with no other process computing)", role,
+                 f"over {COST_CACHE_TTL_S / 3600:g} h ago" if measured_quietly else "on a busy machine",
+                 QUIET_BEFORE_REMEASURE_S)
         break
-    return BackgroundCostProbe(role, activity, probes, to_costs, publish, key, finish,
-                               published_quiet=published_quiet).start()
+    return BackgroundCostProbe(role, activity, probes, to_costs, publish, key, finish, remeasure=published).start()

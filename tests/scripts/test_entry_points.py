@@ -39,7 +39,7 @@ def test_benchmark_scripts_are_the_coordinator_commands(name, module, monkeypatc
 
 
 @pytest.mark.parametrize("name", ["chaos.py", "fuzz.py", "profile_round.py", "profile_cores.py", "worker_memory.py",
-                                  "ray_smoke.py"])
+                                  "ray_smoke.py", "ab_hybrid.py"])
 def test_tool_scripts_start(name):
     run = script(name, "--help")
     assert run.returncode == 0, run.stderr

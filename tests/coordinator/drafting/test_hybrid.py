@@ -487,3 +487,118 @@ def test_the_hybrid_model_session_opens_on_the_recent_window():
     assert opened[-1] == [1, 2, 3]
     with pytest.raises(ValueError, match="window"):
         LazyDraftSource([1], lambda history: None, window=0)
+
+
+# The real pair as its workers measured it on 2 Zen 4 cores (issue 39): the 1.5B verifier's curve, the 0.5B drafter's
+# 12 ms a token, and the 11 ms a model round took beyond them.
+ZEN4_COSTS = CostEstimate(0.7, 0.012, 0.0414, 0.0, verify_curve=((0, 0.0414), (1, 0.0458), (4, 0.0902), (8, 0.128),
+                                                                 (16, 0.195)), target_streams=True)
+ZEN4_PAIR = ZEN4_COSTS.with_draft_overhead(0.011)
+
+
+def test_a_long_draft_rejected_at_its_first_token_is_one_miss_not_one_per_draft():
+    """Issue 39, the real pair on Zen 4, code: after 12 drafts all accepted (rounds of 1, then 2), the model drafted 6
+    and the target rejected the first. Counted as six rejections (accepted over drafted) that put the model off
+    (67%: no k pays) and the next 20 tokens streamed at 41-48 ms each, where its rounds had committed one every
+    32-35 ms. The drafts after the first rejected one were never judged: one miss, as the cost policy counts it."""
+    model = Scripted([tuple(range(10, 26))] * 12)
+    hybrid = past_first_round(HybridDraftSource(Scripted([()] * 12), model, model_costs=ZEN4_PAIR, timed=False), 16)
+    for _ in range(8):  # every draft accepted: k grows with the measured acceptance
+        draft = hybrid.propose(16)
+        hybrid.update([*draft.tokens, 5])
+    assert model.asked == [1, 1, 1, 1, 2, 2, 2, 2]
+    assert len(hybrid.propose(16).tokens) == 6
+    hybrid.update([99])  # rejected at its first token
+    verdicts = [(1, 1)] * 3 + [(2, 2)] * 4 + [(6, 0)]  # the last ACCEPTANCE_WINDOW rounds
+    accepted = sum(a for _, a in verdicts)
+    assert hybrid.acceptance("model") == pytest.approx((accepted + 4 * 0.7) / (accepted + 1 + 4))
+    assert hybrid.model_k(16) >= 1, "one miss leaves the model drafting"
+    per_draft = (accepted + 4 * 0.7) / (sum(d for d, _ in verdicts) + 4)
+    assert ZEN4_PAIR.at_acceptance(per_draft).best_k(16) == 0, "counted per draft, it would have put the model off"
+
+
+def test_a_model_its_prior_prices_off_is_probed_at_once_with_the_drafts_it_would_make_on_text_it_follows():
+    """Where the workers' prior acceptance prices the model off, its first round is a probe rather than waiting
+    MODEL_PROBE_TOKENS; a probe drafts the k that pays at PLAUSIBLE_ACCEPTANCE. On the real pair (Zen 4, code) the
+    prior's 70% priced the model off, and its probes of one draft, all accepted, each left the estimate at 76%: it
+    never drafted again, on text fixed k = 2 ran 1.16x target-only on."""
+    from coordinator.drafting.costs import PLAUSIBLE_ACCEPTANCE
+    doubtful = replace(ZEN4_PAIR, acceptance=0.6)
+    assert doubtful.best_k(16) == 0 and doubtful.could_pay(16, PLAUSIBLE_ACCEPTANCE)
+    probe_k = doubtful.at_acceptance(PLAUSIBLE_ACCEPTANCE).best_k(16)
+    assert probe_k >= 2
+    model = Scripted([tuple(range(10, 26))] * 8)
+    hybrid = past_first_round(HybridDraftSource(Scripted([()] * 8), model, model_costs=doubtful, timed=False), 16)
+    draft = hybrid.propose(16)
+    assert draft.source == "model" and model.asked == [probe_k], "the first round after the opening one probes"
+    hybrid.update([*draft.tokens, 5])  # all accepted: the model drafts on
+    assert hybrid.model_k(16) >= 1 and hybrid.propose(16).source == "model"
+    hybrid.update([99])
+    rejected = past_first_round(HybridDraftSource(Scripted([()] * 8), Scripted([(7, 8, 9)] * 8),
+                                                  model_costs=doubtful, timed=False), 16)
+    assert rejected.propose(16).source == "model"
+    rejected.update([99])  # the probe rejected outright: off until the next one, MODEL_PROBE_TOKENS or more later
+    assert rejected.propose(16).wait_tokens >= 1 and len(rejected.model.asked) == 1
+
+
+def test_only_a_model_round_right_after_another_is_timed_so_switching_sources_does_not_price_every_round():
+    """Issue 39, the real pair on Zen 4: after a suffix round or a stream the model first catches up on what they
+    committed (a pass over 2-30 tokens). Timed, those rounds made the overhead learned 16-26 ms a round where runs of
+    model rounds took 3-4 ms more than their costs. A round right after another model round is timed; one after a
+    suffix round is not."""
+    clock = Clock()
+
+    class Model(Scripted):
+        def propose(self, k, after=()):
+            # 1 ms more than its costs a round; 50 ms more when catching up on a suffix round's tokens
+            clock.now += ZEN4_COSTS.draft_s_per_token * k + (0.05 if self.catching_up else 0.001)
+            return super().propose(k, after)
+    suffix = Scripted([(), (), (), (1, 2, 3, 4), (), ()])
+    model = Model([(7,)] * 6)
+    model.catching_up = False
+    hybrid = past_first_round(HybridDraftSource(suffix, model, model_costs=ZEN4_COSTS, clock=clock), 4)
+
+    def model_round() -> None:
+        draft = hybrid.propose(4)
+        assert draft.source == "model"
+        clock.now += ZEN4_COSTS.verify_s(len(draft.tokens))
+        hybrid.update([*draft.tokens, 5])
+    model_round()  # the first: it opens the session, not timed
+    model_round()  # right after the model's: timed
+    assert len(hybrid._model_timings) == 1
+    assert hybrid.propose(4).source == "suffix"  # a long match
+    hybrid.update([1, 2, 3, 4, 5])
+    model.catching_up = True
+    model_round()  # after the suffix round: it caught up, not timed
+    model.catching_up = False
+    model_round()  # timed again
+    assert len(hybrid._model_timings) == 2
+    assert hybrid.model_overhead_s() == pytest.approx(0.001), "the catch-up's 50 ms is not the model's"
+
+
+def test_target_only_decoding_is_priced_at_what_the_generation_s_streamed_tokens_took():
+    """The model's rounds are priced at what they measure (their overhead), and so is what they compete with: a
+    token of the generation's stretches without drafts, measured, rather than the verifier's v(0) measured on an
+    idle machine (the real pair, Zen 4: 46 ms a streamed token in the hybrid, median, against a v(0) of 38.6 ms)."""
+    clock = Clock()
+    model = Scripted([(7, 8, 9, 10)] * 4)
+    hybrid = past_first_round(HybridDraftSource(Scripted([()] * 8), model, model_costs=ZEN4_COSTS, clock=clock,
+                                                learned_overhead_s=0.04), 4)
+    assert hybrid.model_k(4) == 0 and hybrid.streamed_token_s() is None  # against v(0): the model is off
+    for _ in range(2):  # two stretches without drafts, 60 ms a token
+        draft = hybrid.propose(4)
+        assert draft.wait_tokens >= 1 and model.asked == []
+        clock.now += 0.060 * draft.wait_tokens
+        hybrid.update([5] * draft.wait_tokens)
+    assert hybrid.streamed_token_s() == pytest.approx(0.060)
+    assert hybrid.priced_model().target_only_s() == pytest.approx(0.060)
+    assert hybrid.model_k(4) >= 1 and hybrid.propose(4).source == "model"
+    untimed = past_first_round(HybridDraftSource(Scripted([()] * 8), Scripted([]), model_costs=ZEN4_COSTS,
+                                                 clock=clock, timed=False), 4)
+    for _ in range(2):
+        draft = untimed.propose(4)
+        clock.now += 0.060 * draft.wait_tokens
+        untimed.update([5] * draft.wait_tokens)
+    assert untimed.priced_model().target_only_s() == pytest.approx(ZEN4_COSTS.verify_s(0)), "sampled: no timing"
+    with pytest.raises(ValueError, match="streamed_token_s"):
+        replace(ZEN4_COSTS, streamed_token_s=0.0)

@@ -51,6 +51,7 @@ def test_fastest_runs_propagates_a_failing_probe():
 @pytest.fixture(autouse=True)
 def short_quiet(monkeypatch, tmp_path):
     monkeypatch.setattr(cost_probe, "QUIET_BEFORE_PROBE_S", 0.02)
+    monkeypatch.setattr(cost_probe, "QUIET_BEFORE_REMEASURE_S", 0.02)
     monkeypatch.setenv("SPECMESH_CACHE_DIR", str(tmp_path))
 
 
@@ -178,23 +179,39 @@ def test_costs_measured_on_a_busy_machine_are_used_and_cached_as_disturbed(monke
     assert "reporting costs measured on a busy machine while it measures them again" in caplog.text
 
 
-def test_costs_measured_on_a_busy_machine_do_not_replace_older_ones_measured_quietly(monkeypatch, caplog):
-    monkeypatch.setattr(cost_probe, "BUSY_PAUSE_S", 0.02)
-    monkeypatch.setattr(cost_probe, "BUSY_RETRY_S", 0.05)
-    monkeypatch.setattr(cost_probe, "OthersCpu", BusyFirst(float("inf")))
+def test_costs_published_already_are_measured_again_on_an_idle_machine_only(monkeypatch, caplog):
+    """Costs past their age are reported at once and measured again, but nothing waits for that measurement: its
+    calls wait for QUIET_BEFORE_REMEASURE_S without a request (a generation's rounds leave a worker idle for
+    less) and for a machine where no other process computes, for as long as that takes (no BUSY_RETRY_S budget:
+    nothing is measured beside other processes' work, so nothing disturbed replaces what was published)."""
+    monkeypatch.setenv("SPECMESH_PROBE_QUIET_SAMPLE_S", "0.01")
+    monkeypatch.setattr(cost_probe, "BUSY_PAUSE_S", 0.01)
+    monkeypatch.setattr(cost_probe, "BUSY_RETRY_S", 0.03)  # a first measurement would stop waiting after 2 samples
+    monkeypatch.setattr(cost_probe, "QUIET_BEFORE_REMEASURE_S", 0.3)
     key = {"role": "test"}
     monkeypatch.setattr(cost_probe, "cost_cache_key", lambda role, loaded: key)
     write_cached_costs(key, 0.25)
     monkeypatch.setattr(cost_probe, "COST_CACHE_TTL_S", 0.0)  # past its age: published, and measured again
-    probes = Probes({"a": [0.9, 0.8, 0.7, 0.6, 0.5]})
-    with caplog.at_level(logging.WARNING, logger=cost_probe.__name__):
-        background = costs_now_or_in_background("test", None, RequestActivity(), {"a": probes.call("a")},
-                                                to_costs=lambda s: s["a"], publish=probes.published.append)
-        assert background is not None and wait_until(lambda: not background.thread.is_alive(), 5)
-    assert probes.published == [0.25] and background.disturbed_calls == 3
-    assert read_cached_costs(key, float("inf")) == 0.25
-    assert read_cached_costs(key, float("inf"), quiet=True) == 0.25
-    assert "it keeps the ones measured quietly before, and measures again at its next start" in caplog.text
+    monkeypatch.setattr(cost_probe, "OthersCpu", BusyFirst(12))  # 12 busy samples, then a quiet machine
+    activity, calls_at = RequestActivity(), []
+    probes = Probes({"a": [0.3, 0.2, 0.4]})
+
+    def call() -> float:
+        calls_at.append(time.monotonic())
+        return probes.call("a")()
+    with activity.request():
+        pass
+    request_ended = time.monotonic()
+    with caplog.at_level(logging.INFO, logger=cost_probe.__name__):
+        background = costs_now_or_in_background("test", None, activity, {"a": call}, to_costs=lambda s: s["a"],
+                                                publish=probes.published.append)
+        assert probes.published == [0.25]  # at once, before any probe call
+        assert background is not None and wait_until(lambda: not background.thread.is_alive(), 10)
+    assert probes.published == [0.25, 0.2] and background.disturbed_calls == 0 and background.waited_calls >= 12
+    assert calls_at[0] - request_ended >= 0.3, "a call came sooner after a request than a re-measure waits"
+    assert read_cached_costs(key, float("inf"), quiet=True) == 0.2
+    assert "while it measures them again (on an idle machine" in caplog.text
+    assert "waits for them (for as long as they do: its costs are reported already)" in caplog.text
 
 
 def test_the_probes_of_one_machine_take_turns(monkeypatch):

@@ -328,7 +328,7 @@ class BackgroundCostProbe:
         pause, when the caller looks again (a request of this worker may have come meanwhile)."""
         sample_s = quiet_machine_sample_s()
         if sample_s <= 0 or self._busy_s >= BUSY_RETRY_S and not self._remeasure:
-            return True
+            return True  # a re-measure has no budget: it waits for quiet (with sampling on)
         with self._others_cpu() as others:
             if self._stopped.wait(sample_s):
                 raise ProbeStopped
@@ -362,7 +362,10 @@ class BackgroundCostProbe:
                     continue
                 if not others.busy:
                     return seconds
-                if self._busy_s + others.wall_s + BUSY_PAUSE_S > BUSY_RETRY_S and not self._remeasure:
+                # A re-measure never keeps a call made beside other work, where it can see other work coming
+                # (sampling on); without sampling it keeps the budget, rather than make calls again forever.
+                unbounded = self._remeasure and quiet_machine_sample_s() > 0
+                if self._busy_s + others.wall_s + BUSY_PAUSE_S > BUSY_RETRY_S and not unbounded:
                     self.disturbed_calls += 1
                     if not self._warned_busy:
                         log.warning("%s: other processes kept computing while its costs were measured (%.2f CPU s "

@@ -363,3 +363,15 @@ def test_without_sampling_no_call_waits(monkeypatch):
     probe = probes.background(RequestActivity(), ["a"], others_cpu=BusyFirst(0)).start()
     probe.thread.join(5)
     assert probes.published == [[("a", 0.2)]] and probe.waited_calls == 0
+
+
+def test_a_re_measure_without_sampling_keeps_the_budget_rather_than_call_again_forever(monkeypatch):
+    """With sampling off (SPECMESH_PROBE_QUIET_SAMPLE_S=0, as the test suite runs) a re-measure cannot see other work
+    coming, only a call it shared: it makes such calls again within BUSY_RETRY_S, then keeps them, as a first
+    measurement does, instead of repeating a probe call beside the other work for as long as the worker lives."""
+    monkeypatch.setattr(cost_probe, "BUSY_PAUSE_S", 0.01)
+    monkeypatch.setattr(cost_probe, "BUSY_RETRY_S", 0.03)
+    probes = Probes({"a": [0.9, 0.8, 0.7, 0.6, 0.5, 0.4]})
+    probe = probes.background(RequestActivity(), ["a"], others_cpu=BusyFirst(float("inf")), remeasure=True).start()
+    probe.thread.join(5)
+    assert not probe.thread.is_alive() and probes.published and probe.disturbed_calls >= 1

@@ -88,6 +88,9 @@ class GenerationOptions:
     # the model's threads). The first token of each stretch is sent at once. Not applied with stop strings: only the
     # coordinator sees those, and held tokens would delay the stop. 0: every token at once.
     stream_flush_s: float = DEFAULT_STREAM_FLUSH_S
+    # In a generation that drafts, the verifier's streamed steps check a guess of the next token where their spare
+    # row makes it free (LoopConfig.stream_guesses, DecodeRequest.guess). False: the streams as target-only decodes.
+    stream_guesses: bool = True
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS:
@@ -393,7 +396,8 @@ class Coordinator:
                             eos_token_ids=self.eos_token_ids, draft_length=self.draft_length(options, learned),
                             pipeline=options.pipeline,
                             max_propose_tokens=self.propose_limit if use_drafter else None,
-                            stream_flush_s=0.0 if options.stop else options.stream_flush_s)
+                            stream_flush_s=0.0 if options.stop else options.stream_flush_s,
+                            stream_guesses=options.stream_guesses)
         session_id = new_session_id()
         logs.session_id.set(session_id)
         faults = FaultStats()
@@ -425,6 +429,8 @@ class Coordinator:
         self._learn(config.draft_length, loop, drafter)
         text = stream.finish()
         stats = summarize(loop, time.perf_counter() - started, seed, faults, self.engines)
+        if target.stream_guesses:  # tokens the streams' free guesses committed (DecodeRequest.guess)
+            stats.update(stream_guesses=target.stream_guesses, stream_guesses_accepted=target.stream_guesses_accepted)
         if isinstance(drafter, HybridDraftSource):  # which drafter drafted how many rounds
             stats.update(suffix_rounds=drafter.suffix_rounds, model_rounds=drafter.model_rounds)
         result = GenerationResult(text, loop.tokens, len(prompt_ids), loop.finish_reason, stats, loop.rounds)

@@ -97,6 +97,9 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random when sampling)")
     p.add_argument("--stop", action="append", default=[], help="stop string; may be repeated")
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    p.add_argument("--no-stream-guesses", dest="stream_guesses", action="store_false",
+                   help="streamed steps check no guess of the next token (by default, while drafting, a verifier "
+                   "whose one-token step runs a spare row anyway checks one there: ik, repacked and exact)")
     p.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, stats) instead")
 
 
@@ -159,8 +162,11 @@ def print_summary(result) -> None:
     # Hybrid drafting: which source drafted how many rounds.
     sources = (f"; drafted by the suffix drafter in {s['suffix_rounds']} rounds, the draft model in "
                f"{s['model_rounds']}" if "suffix_rounds" in s else "")
+    # Streamed steps that checked a free guess of the next token (DecodeRequest.guess), and the right ones.
+    guesses = (f"; {s['stream_guesses_accepted']} of {s['stream_guesses']} stream guesses right"
+               if s.get("stream_guesses") else "")
     print(f"\n[{result.finish_reason}] {s['new_tokens']} new tokens in {s['elapsed_s']:.2f} s "
-          f"({s['tokens_per_s']:.2f} tokens/s); {drafting}{sources}; {s['rounds']} rounds{faults}"
+          f"({s['tokens_per_s']:.2f} tokens/s); {drafting}{sources}{guesses}; {s['rounds']} rounds{faults}"
           f"; engine {_engines(s)}"
           + (f"; draft tokenizer {s['draft_tokenizer']}" if s.get("draft_tokenizer") else ""),
           file=sys.stderr)
@@ -323,7 +329,7 @@ def run_generation(args: argparse.Namespace, streamed: list[str]) -> int:
                 max_new_tokens=args.max_new_tokens, draft_tokens=args.draft_tokens, draft_policy=args.draft_policy,
                 pipeline=args.pipeline, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                 seed=args.seed, stop=tuple(args.stop), chat=not args.no_chat,
-                stream_flush_s=args.stream_flush_ms / 1000)
+                stream_flush_s=args.stream_flush_ms / 1000, stream_guesses=args.stream_guesses)
         except ValueError as e:
             raise BadOptions(str(with_fix(e))) from None
     with ExitStack() as stack:

@@ -18,7 +18,9 @@ result (LoopResult.draft_decision).
 Streamed target-only decoding: rounds without drafts are asked of the target as one stream when it can stream them
 (StreamingTarget: the verifier's Decode rpc): the whole generation where nothing drafts (no drafter, or drafting
 off), and each stretch where the policy keeps k = 0 until its next probe. The tokens are the same as round after
-round of k = 0; the verifier decodes back to back instead of waiting a round trip per token.
+round of k = 0; the verifier decodes back to back instead of waiting a round trip per token. In a generation that
+drafts, the stream may also check a guess of the next token in each step where the target's step has a spare row
+(LoopConfig.stream_guesses): the same tokens, sometimes two a step.
 """
 
 from __future__ import annotations
@@ -73,10 +75,12 @@ class TargetSession(Protocol):
 class StreamingTarget(TargetSession, Protocol):
     """A verifier session that can also decode on its own, streaming the tokens as it commits them: what max_tokens
     verify(Draft()) calls would give, up to a stop token. Each item is the tokens of one message: one, or with
-    flush_interval_s > 0 those the target held up to that long. Closing the iterator ends the stream."""
+    flush_interval_s > 0 those the target held up to that long. With `guess`, the target may verify a guess of the next
+    token in each step where that costs it nothing (DecodeRequest.guess): the same tokens, sometimes two a step.
+    Closing the iterator ends the stream."""
 
     def decode(self, max_tokens: int, stop_token_ids: frozenset[int],
-               flush_interval_s: float = 0.0) -> Iterator[list[int]]: ...
+               flush_interval_s: float = 0.0, guess: bool = False) -> Iterator[list[int]]: ...
 
 
 @dataclass(frozen=True)
@@ -90,6 +94,10 @@ class LoopConfig:
     # Let the streaming target hold the tokens it commits up to this long and send them in one message: the
     # coordinator's and the verifier's gRPC threads then wake once a message, not once a token (0: every token).
     stream_flush_s: float = 0.0
+    # In a generation that drafts (a drafter, even one the cost policy turned off), let the streaming target verify a
+    # guess of the next token in each streamed step where that costs it nothing (DecodeRequest.guess). Target-only
+    # decoding (no drafter) never guesses: it is the target alone, the baseline.
+    stream_guesses: bool = True
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -223,7 +231,8 @@ def _decode_streamed(target: StreamingTarget, config: LoopConfig, count: int,
     """`count` rounds of k = 0 in one stream from the target, without a round trip per token; True when the
     generation finished (as the loop finishes: an end-of-sequence token is kept; a stop from on_tokens). The drafter
     learns the committed tokens once, at the end."""
-    stream = target.decode(count, config.eos_token_ids, config.stream_flush_s)
+    guess = config.stream_guesses and bool(result.draft_policy)
+    stream = target.decode(count, config.eos_token_ids, config.stream_flush_s, guess)
     committed: list[int] = []
     try:
         started = time.perf_counter()

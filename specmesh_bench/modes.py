@@ -29,6 +29,14 @@ class Mode:
     k: int | None = None  # specmesh: draft length, None = adaptive
     policy: str = "heuristic"  # specmesh adaptive k: coordinator/drafting/policies.py
     pipeline: bool = False  # specmesh: draft the next round during this round's verify
+    stream_guesses: bool = True  # specmesh: streamed steps check a free guess of the next token (DecodeRequest.guess)
+
+    @property
+    def coordinator(self) -> str | None:
+        """Which of the bench's coordinators runs it (specmesh modes): one per drafter, and another, with a suffix
+        drafter of its own, for the hybrid without guesses (a suffix drafter's trees learn from every generation: a
+        shared one would hand the second hybrid mode the first one's answer to the same prompt)."""
+        return "hybrid-no-guesses" if self.drafter == "hybrid" and not self.stream_guesses else self.drafter
 
 
 def parse_mode(text: str) -> Mode:
@@ -57,6 +65,8 @@ def parse_mode(text: str) -> Mode:
         return Mode("suffix-cost", "specmesh", "suffix", None, "cost")
     if t == "hybrid":  # the default: suffix drafts where the match is long, the model's elsewhere (coordinator/drafting/)
         return Mode("hybrid", "specmesh", "hybrid", None, "cost")
+    if t == "hybrid-no-guesses":  # the default without the streams' free guesses: what they add, side by side
+        return Mode("hybrid-no-guesses", "specmesh", "hybrid", None, "cost", stream_guesses=False)
     if t.startswith(("ngram:", "ngram=", "ngram k=")) and t.rpartition("=" if "=" in t else ":")[2].isdigit():
         k = int(t.rpartition("=" if "=" in t else ":")[2])
         return Mode(f"ngram k={k}", "specmesh", "ngram", k)
@@ -74,7 +84,7 @@ def parse_mode(text: str) -> Mode:
         return Mode(IK_BASELINE, "ik")
     raise ValueError(f"unknown mode {text!r}: expected target-only|0, adaptive, adaptive-cost, pipelined, "
                      "pipelined-cost, K, ngram, "
-                     "ngram-cost, ngram:K, suffix, suffix-cost, hybrid, hf-target, hf-assisted, hf-ngram, ik-target, llama-target or llama-lookup")
+                     "ngram-cost, ngram:K, suffix, suffix-cost, hybrid, hybrid-no-guesses, hf-target, hf-assisted, hf-ngram, ik-target, llama-target or llama-lookup")
 
 
 def parse_modes(text: str) -> list[Mode]:

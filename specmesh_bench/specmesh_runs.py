@@ -74,7 +74,9 @@ def specmesh_runner(args, modes: list[Mode], prompts: list[dict]) -> Iterator[Ru
         # shared one would hand the hybrid the suffix mode's answer to the same prompt.
         suffix_spec = LocalWorkerSpec("drafter", args.target_model, "cpu", "auto", extra_args=("--method", "suffix"))
         suffix_drafter = stack.enter_context(local_workers([suffix_spec]))["drafter"] if need_suffix else None
-        hybrid_suffix_drafter = stack.enter_context(local_workers([suffix_spec]))["drafter"] if need_hybrid else None
+        hybrids = sorted({m.coordinator for m in modes if m.kind == "specmesh" and m.drafter == "hybrid"})
+        hybrid_suffix_drafters = {name: stack.enter_context(local_workers([suffix_spec]))["drafter"]
+                                  for name in hybrids}
 
         base = stack.enter_context(Coordinator(verifier=verifier))  # loads the verifier's tokenizer
         tokenizer = base.tokenizer
@@ -88,10 +90,10 @@ def specmesh_runner(args, modes: list[Mode], prompts: list[dict]) -> Iterator[Ru
         if need_suffix:
             coordinators["suffix"] = stack.enter_context(Coordinator(verifier=verifier, drafter=suffix_drafter,
                                                                      tokenizer=tokenizer))
-        if need_hybrid:
-            coordinators["hybrid"] = stack.enter_context(Coordinator(verifier=verifier, drafter=drafter,
-                                                                     suffix_drafter=hybrid_suffix_drafter,
-                                                                     tokenizer=tokenizer))
+        for name, hybrid_suffix_drafter in hybrid_suffix_drafters.items():
+            coordinators[name] = stack.enter_context(Coordinator(verifier=verifier, drafter=drafter,
+                                                                 suffix_drafter=hybrid_suffix_drafter,
+                                                                 tokenizer=tokenizer))
         info = {"target": base.verifier_info.model_name, "dtype": base.verifier_info.dtype,
                 "device": base.verifier_info.device, "eos_token_ids": sorted(base.verifier_info.eos_token_ids),
                 "draft": coordinators["model"].drafter_info.model_name if need_model else None,
@@ -126,8 +128,9 @@ def specmesh_runner(args, modes: list[Mode], prompts: list[dict]) -> Iterator[Ru
         def run(prompt: dict, mode: Mode) -> dict:
             options = GenerationOptions(max_new_tokens=args.max_new_tokens, draft_tokens=mode.k,
                                         draft_policy=mode.policy, pipeline=mode.pipeline,
-                                        stream_flush_s=args.stream_flush_ms / 1000)
-            return specmesh_row(coordinators[mode.drafter].generate(list(prompt_ids[prompt["id"]]), options),
+                                        stream_flush_s=args.stream_flush_ms / 1000,
+                                        stream_guesses=mode.stream_guesses)
+            return specmesh_row(coordinators[mode.coordinator].generate(list(prompt_ids[prompt["id"]]), options),
                                 prompt, mode)
 
         yield Runner(info, run, prompt_ids)

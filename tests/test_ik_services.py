@@ -77,6 +77,38 @@ def test_info_names_the_engine(pair):
             assert info.dtype == "Q4_0" and info.engine_build.endswith("weights requantized to Q4_0")
 
 
+def test_a_decode_stream_asked_to_guess_sends_the_same_tokens_and_counts_its_guesses(pair):
+    """DecodeRequest.guess on a real ik verifier process (repacked, exact: its one-token step has a spare row): the
+    stream's tokens equal those of a stream without guesses, some messages carry two tokens of one step, and the
+    responses count the guesses and the right ones."""
+    import grpc
+
+    from specmesh.v1 import specmesh_pb2 as pb
+    from specmesh.v1 import specmesh_pb2_grpc as pb_grpc
+    from specmesh.wire.history import EMPTY_HASH
+
+    verifier, _ = pair
+    prompt = [504, 3219, 1126, 28, 216, 504, 3219, 1126, 28, 216, 504, 3219]  # a pattern to go on with
+    with grpc.insecure_channel(verifier.address) as channel:
+        stub = pb_grpc.VerifierStub(channel)
+
+        def stream(session: str, guess: bool) -> list:
+            request = pb.DecodeRequest(session_id=session, max_tokens=32, guess=guess, context=pb.ContextSync(
+                base_length=0, base_hash=EMPTY_HASH, new_tokens=prompt))
+            responses = list(stub.Decode(request, timeout=120))
+            stub.EndSession(pb.EndSessionRequest(session_id=session), timeout=30)
+            return responses
+
+        plain, guessed = stream("plain", False), stream("guessed", True)
+    tokens = [[r.token, *r.more_tokens] for r in plain]
+    assert all(len(t) == 1 for t in tokens) and not any(r.guesses for r in plain)
+    assert [t for r in guessed for t in (r.token, *r.more_tokens)] == [t for (t,) in tokens]
+    right = sum(r.guesses_accepted for r in guessed)
+    assert sum(r.guesses for r in guessed) >= right > 0
+    assert sum(len(r.more_tokens) for r in guessed) == right
+    assert guessed[-1].committed_length == plain[-1].committed_length == len(prompt) + 32
+
+
 def test_concurrent_sessions_equal_their_runs_alone(pair):
     verifier, drafter = pair
     options = GenerationOptions(max_new_tokens=MAX_NEW, draft_tokens=3)

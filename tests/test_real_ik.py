@@ -158,6 +158,34 @@ def test_a_second_turn_resumes_from_the_prefix_cache_and_hybrid_drafts_stay_exac
     assert hybrid.suffix_rounds > 0, (hybrid.suffix_rounds, hybrid.model_rounds)
 
 
+def test_a_stream_s_free_guesses_keep_the_target_s_own_tokens_and_commit_some_two_a_step(pair):
+    """The exact repacked target's one-token step runs two rows (module docstring of the engine): a Decode stream
+    asked to guess puts a guess of the next token in the second one. On two committed code prompts, 48 tokens each:
+    the tokens equal the target's own one-token greedy decoding, and some steps committed two."""
+    from specmesh.wire.history import EMPTY_HASH
+    from verifier.decode_stream import DecodeSteps, decode_stream
+
+    target, draft = pair
+    verifier = VerifyEngine(target)
+    assert verifier.guesses_are_free
+    stops = frozenset(target.eos_token_ids)
+    right = steps = 0
+    for item in [p for p in PROMPTS if p["class"] == "code"][:2]:
+        prompt = chat_ids(target, item["prompt"])
+        asked = DecodeSteps(item["id"], 0, EMPTY_HASH, tuple(prompt), 48, stops, SamplingParams(), 0, guess=True)
+        outcomes = [o for m in decode_stream(verifier, asked, lambda: True, lambda: None) for o in m]
+        verifier.end_session(item["id"])
+        tokens = [t for o in outcomes for t in o.committed]
+        # The target's own greedy decoding: one Verify call without drafts a token (no stream, no guesses).
+        with_k0 = speculative_decode(None, InProcessTarget(verifier, prompt, SamplingParams()),
+                                     LoopConfig(max_new_tokens=48, eos_token_ids=stops,
+                                                draft_length=DraftLength.fixed(0))).tokens
+        assert tokens == with_k0, item["id"]
+        right += sum(len(o.accepted_guesses) for o in outcomes)
+        steps += len(outcomes)
+    assert right > 0, f"no right guess in {steps} steps"
+
+
 def test_a_started_verifier_serves_its_first_session_from_a_spare_context(pair):
     """The verifier's warm-up leaves a spare context, and the first request's prompt (no cached prefix: the warm-up's
     cells hold the cost probe's context) binds it: no context (4096 cells cleared, 1.3-1.8 s on a 2-core VM

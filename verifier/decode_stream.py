@@ -8,7 +8,9 @@ the tokens and hands them over a few at a time, so that the gRPC threads on both
 once a token (coordinator/stream_flush.py).
 
 Each step is an ordinary Verify step with no drafts (same session, same (seed, position) randomness, batched with
-other sessions' calls), so a stream gives exactly the tokens a run of Verify calls would. The steps form a chain
+other sessions' calls), so a stream gives exactly the tokens a run of Verify calls would. Asked to (`guess`), a
+greedy step on an engine whose one-token step runs a spare row anyway verifies a guess of the next token in that row
+(VerifyEngine.verify_chain): a step then commits one token or two, each the target's own. The steps form a chain
 (VerifyEngine.verify_chain): as a step is answered, on the model thread, the next one is queued, and the model thread
 runs it without handing the model back to another thread in between.
 """
@@ -39,6 +41,9 @@ class DecodeSteps:
     # 0: each step's outcome is handed over as it is committed. > 0: outcomes are held up to this long and handed
     # over together (the first and the last at once; see _Held).
     flush_interval_s: float = 0.0
+    # Each step may verify a guess of the next token where that costs nothing (VerifyEngine.verify_chain; greedy):
+    # a right guess commits it and the target's next token in one step.
+    guess: bool = False
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -56,15 +61,19 @@ class _Position:
 
     def advance(self, outcome: VerifyOutcome) -> tuple[int, int] | None:
         """Commit a step's outcome: the next step's (base_length, base_hash), or None after a stop token or the last
-        step. Each step builds on the previous one's commit (a session evicted or changed meanwhile answers resync,
+        token. Each step builds on the previous one's commit (a session evicted or changed meanwhile answers resync,
         as a Verify would)."""
-        token = outcome.verdict.next_token
-        for committed in (*self.fresh, token):
+        for committed in (*self.fresh, *outcome.committed):
             self.prefix_hash = extend_hash(self.prefix_hash, committed)
-        self.length, self.fresh, self.taken = outcome.committed_length, (), self.taken + 1
-        if token in self.steps.stop_token_ids or self.taken >= self.steps.max_tokens:
+        self.length, self.fresh = outcome.committed_length, ()
+        self.taken += len(outcome.committed)
+        if outcome.verdict.next_token in self.steps.stop_token_ids or self.taken >= self.steps.max_tokens:
             return None
         return self.length, self.prefix_hash
+
+    def may_guess(self) -> bool:
+        """Whether the next step may guess: a right guess commits two tokens, so two must be left to take."""
+        return self.steps.guess and self.steps.max_tokens - self.taken >= 2
 
 
 _END = object()
@@ -132,7 +141,8 @@ def decode_stream(engine: VerifyEngine, steps: DecodeSteps, is_active: Callable[
         try:
             before_step()
             engine.verify_chain(steps.session_id, steps.base_length, steps.base_hash, list(steps.new_tokens),
-                                steps.params, steps.seed, is_active, next_step)
+                                steps.params, steps.seed, is_active, next_step, position.may_guess,
+                                steps.stop_token_ids)
         except BaseException as e:  # handed to the caller, who answers with its status
             outcomes.put(e)
 

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from specmesh.decoding.acceptance import Verdict, decide
+from specmesh.decoding.lookup_guess import guess_next_token
 from specmesh.decoding.sampling import SamplingParams, SparseDist
 from specmesh.ops import metrics
 from specmesh.runtime.batched_forward import MAX_BATCHED_FRESH_TOKENS, fresh_length
@@ -31,6 +32,15 @@ from verifier.config import BatchingConfig
 class VerifyOutcome:
     verdict: Verdict
     committed_length: int
+    # A Decode stream's step with a guess (verify_chain): the guess, if the target accepted it (it was committed
+    # before verdict.next_token); and how many guesses the step made (0 or 1).
+    accepted_guesses: tuple[int, ...] = ()
+    guesses: int = 0
+
+    @property
+    def committed(self) -> tuple[int, ...]:
+        """The tokens a stream's step committed, in order."""
+        return (*self.accepted_guesses, self.verdict.next_token)
 
 
 @dataclass
@@ -45,6 +55,9 @@ class _Request(QueuedRequest):
     # it gives the stream's next step, queued at once, or None when the stream is over.
     then: Callable[[_Request], _Request | None] | None = field(default=None, repr=False)
     start: int = 0  # the session's history length when its batch ran: where the drafts start
+    # A stream's step that may guess the next token (verify_chain): the tokens it must not guess (stop tokens); None:
+    # no guess.
+    guess_excluding: frozenset[int] | None = None
 
 
 class VerifyEngine(BatchingWorkerEngine):
@@ -73,17 +86,24 @@ class VerifyEngine(BatchingWorkerEngine):
 
     def verify_chain(self, session_id: str, base_length: int, base_hash: int, new_tokens: list[int],
                      params: SamplingParams, seed: int, is_active: Callable[[], bool],
-                     next_step: Callable[[VerifyOutcome | BaseException], tuple[int, int] | None]) -> None:
+                     next_step: Callable[[VerifyOutcome | BaseException], tuple[int, int] | None],
+                     may_guess: Callable[[], bool] = lambda: False, excluded: frozenset[int] = frozenset()) -> None:
         """Verify steps without drafts, one after the other (a Decode stream, verifier/decode_stream.py): each is an
         ordinary Verify call of the session, batched with other sessions' calls. `next_step` is called on the model
         thread with each step's outcome (or its error) and gives the next step's (base_length, base_hash), or None to
         stop; it must not raise. The next step is queued before the model thread takes its next batch, so a stream
         costs no thread hand-off between its steps (on ik, 2 cores, where ggml's worker still spins after a pass, the
-        gap between two decodes went from 0.83-1.25 ms to 0.40-0.45 ms). Returns when the chain is over."""
+        gap between two decodes went from 0.83-1.25 ms to 0.40-0.45 ms). Returns when the chain is over.
+
+        Where `may_guess()` says so before a step, greedy, and the engine's one-token step runs a spare row anyway
+        (`guesses_are_free`), the step verifies a guess of the next token from the session's history
+        (specmesh/decoding/lookup_guess.py; never one in `excluded`): accepted, the step commits two tokens for the
+        price of one. Every token is still the target's own greedy choice."""
         over = threading.Event()
 
         def step(base_length: int, base_hash: int, fresh: list[int]) -> _Request:
-            return _Request(session_id, base_length, base_hash, fresh, [], [], params, seed, is_active, then=answered)
+            return _Request(session_id, base_length, base_hash, fresh, [], [], params, seed, is_active, then=answered,
+                            guess_excluding=excluded if may_guess() else None)
 
         def answered(request: _Request) -> _Request | None:
             following = next_step(request.error if request.error is not None else request.outcome)
@@ -147,7 +167,18 @@ class VerifyEngine(BatchingWorkerEngine):
         if not self._sync_session(request):
             return False
         request.start = len(request.session.history)
+        if request.guess_excluding is not None and request.params.is_greedy and self.guesses_are_free:
+            guess = guess_next_token(request.session.history.tokens, request.guess_excluding)
+            request.drafts = [] if guess is None else [guess]
         return True
+
+    @property
+    def guesses_are_free(self) -> bool:
+        """Whether a one-token step already runs two rows (ik_llama.cpp repacked and exact: a one-row pass takes
+        another kernel, so the step recomputes the previous token's cell beside the new one): a guess of the next token
+        can take the spare row at no cost. Elsewhere a second row costs a share of a step (the verify curve's v(1)
+        over v(0)), so a stream does not guess."""
+        return getattr(self.loaded, "min_pass_rows", 1) >= 2
 
     @staticmethod
     def _tokens(request: _Request) -> list[int]:
@@ -175,7 +206,9 @@ class VerifyEngine(BatchingWorkerEngine):
             # Keep the KV of the accepted drafts only; the next token's KV is computed on the next call.
             session.sequence.rollback(request.start + verdict.accepted)
             session.history.extend([*request.drafts[:verdict.accepted], verdict.next_token])
-            request.outcome = VerifyOutcome(verdict, len(session.history))
+            guesses = len(request.drafts) if request.guess_excluding is not None else 0
+            request.outcome = VerifyOutcome(verdict, len(session.history),
+                                            tuple(request.drafts[:verdict.accepted]) if guesses else (), guesses)
             request.done = True
             if request.probe_session is None:
                 self._answered(request.session_id, time.monotonic())

@@ -74,7 +74,7 @@ class VerifierServicer(WorkerServicerBase, pb_grpc.VerifierServicer):
         params = sampling_from_wire(request.sampling.temperature, request.sampling.top_k, request.sampling.top_p)
         steps = DecodeSteps(session_key, request.context.base_length, request.context.base_hash, tuple(new_tokens),
                             request.max_tokens, frozenset(request.stop_token_ids), params, request.seed,
-                            request.flush_interval_ms / 1000)
+                            request.flush_interval_ms / 1000, request.guess)
 
         def before_step() -> None:
             if self.worker.stopping.is_set():  # draining: the client goes on elsewhere from what it has received
@@ -82,9 +82,11 @@ class VerifierServicer(WorkerServicerBase, pb_grpc.VerifierServicer):
             self.before_work(context)  # each step counts as a call for injected faults (tests), as a Verify would
 
         for outcomes in decode_stream(engine, steps, context.is_active, before_step):
-            yield pb.DecodeResponse(token=outcomes[0].verdict.next_token,
-                                    more_tokens=[o.verdict.next_token for o in outcomes[1:]],
-                                    committed_length=outcomes[-1].committed_length)
+            tokens = [token for outcome in outcomes for token in outcome.committed]
+            yield pb.DecodeResponse(token=tokens[0], more_tokens=tokens[1:],
+                                    committed_length=outcomes[-1].committed_length,
+                                    guesses=sum(o.guesses for o in outcomes),
+                                    guesses_accepted=sum(len(o.accepted_guesses) for o in outcomes))
 
 
 class VerifierRole:

@@ -118,6 +118,8 @@ class FailoverTargetSession:
                  seed: int, config: ResilienceConfig, stats: FaultStats, cancel: CancelToken | None = None) -> None:
         self.link = PinnedSession(pool, prompt, stats, cancel)
         self.session_id, self._params, self._seed, self._config, self.stats = session_id, params, seed, config, stats
+        # Guesses its Decode streams verified, and how many the target accepted (decode's `guess`).
+        self.stream_guesses = self.stream_guesses_accepted = 0
 
     def _next_endpoint(self, failed: list[Endpoint]) -> Endpoint:
         """The verifier for the next attempt: the pinned one, or after a failure another one when there is one."""
@@ -190,7 +192,7 @@ class FailoverTargetSession:
             if token in stop_token_ids:
                 return
 
-    def _open_decode(self, max_tokens: int, stop_token_ids: frozenset[int], flush_interval_s: float,
+    def _open_decode(self, max_tokens: int, stop_token_ids: frozenset[int], flush_interval_s: float, guess: bool,
                      failed: list[Endpoint]) -> tuple[Endpoint, TokenStream, pb.DecodeResponse]:
         """A Decode stream on the next verifier, with its first token: a refused call (resync, a verifier that is
         gone) fails here, where it is retried."""
@@ -202,7 +204,7 @@ class FailoverTargetSession:
             call = endpoint.stub.Decode(pb.DecodeRequest(
                 session_id=self.session_id, context=context, max_tokens=max_tokens,
                 stop_token_ids=sorted(stop_token_ids), sampling=sampling_to_wire(self._params), seed=self._seed,
-                flush_interval_ms=round(flush_interval_s * 1000)))
+                flush_interval_ms=round(flush_interval_s * 1000), guess=guess))
             stream = TokenStream(call, self._config.attempt_timeout(self._config.verify_timeout_s,
                                                                     len(context.new_tokens)),
                                  self._config.verify_timeout_s, self.link.cancel)
@@ -218,17 +220,19 @@ class FailoverTargetSession:
         return endpoint, stream, first
 
     def decode(self, max_tokens: int, stop_token_ids: frozenset[int] = frozenset(),
-               flush_interval_s: float = 0.0) -> Iterator[list[int]]:
+               flush_interval_s: float = 0.0, guess: bool = False) -> Iterator[list[int]]:
         """Target-only decoding streamed by the verifier (Decode): the tokens of each message as the verifier sends
         them, up to max_tokens or a stop token; one a message, or with flush_interval_s > 0 those the verifier held
-        that long (DecodeRequest.flush_interval_ms). Exactly the tokens of max_tokens verify() calls without drafts.
+        that long (DecodeRequest.flush_interval_ms). Exactly the tokens of max_tokens verify() calls without drafts;
+        with `guess`, the verifier checks a guess of the next token in each step where it costs nothing
+        (DecodeRequest.guess; counted in stream_guesses and stream_guesses_accepted).
         A stream that breaks is re-opened from the tokens received so far, under verify()'s retry policy: on another
         verifier when its own became unusable. Closing the generator (a stop string) ends the stream."""
         taken, failed = 0, []
         while taken < max_tokens:
             try:
                 endpoint, stream, response = self._retrying()(self._open_decode, max_tokens - taken,
-                                                              stop_token_ids, flush_interval_s, failed)
+                                                              stop_token_ids, flush_interval_s, guess, failed)
             except grpc.RpcError as e:
                 if e.code() != grpc.StatusCode.UNIMPLEMENTED:
                     raise
@@ -244,6 +248,8 @@ class FailoverTargetSession:
                                            f"stream ({max_tokens} tokens, stop tokens {sorted(stop_token_ids)})")
                     self._commit(tokens, response.committed_length)
                     taken += len(tokens)
+                    self.stream_guesses += response.guesses
+                    self.stream_guesses_accepted += response.guesses_accepted
                     yield tokens
                     if taken >= max_tokens or tokens[-1] in stop_token_ids:
                         self.link.record(endpoint, None)

@@ -85,7 +85,7 @@ class VerifyResponse(_message.Message):
     def __init__(self, accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., committed_length: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("session_id", "context", "max_tokens", "stop_token_ids", "sampling", "seed", "flush_interval_ms")
+    __slots__ = ("session_id", "context", "max_tokens", "stop_token_ids", "sampling", "seed", "flush_interval_ms", "guess")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +93,7 @@ class DecodeRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     FLUSH_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    GUESS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     context: ContextSync
     max_tokens: int
@@ -100,17 +101,22 @@ class DecodeRequest(_message.Message):
     sampling: SamplingParams
     seed: int
     flush_interval_ms: int
-    def __init__(self, session_id: _Optional[str] = ..., context: _Optional[_Union[ContextSync, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., flush_interval_ms: _Optional[int] = ...) -> None: ...
+    guess: bool
+    def __init__(self, session_id: _Optional[str] = ..., context: _Optional[_Union[ContextSync, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., flush_interval_ms: _Optional[int] = ..., guess: _Optional[bool] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("token", "committed_length", "more_tokens")
+    __slots__ = ("token", "committed_length", "more_tokens", "guesses", "guesses_accepted")
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     MORE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GUESSES_FIELD_NUMBER: _ClassVar[int]
+    GUESSES_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     token: int
     committed_length: int
     more_tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, token: _Optional[int] = ..., committed_length: _Optional[int] = ..., more_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    guesses: int
+    guesses_accepted: int
+    def __init__(self, token: _Optional[int] = ..., committed_length: _Optional[int] = ..., more_tokens: _Optional[_Iterable[int]] = ..., guesses: _Optional[int] = ..., guesses_accepted: _Optional[int] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()

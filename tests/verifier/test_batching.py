@@ -316,3 +316,38 @@ def test_a_stream_with_a_flush_interval_hands_over_what_it_held_together(tiny_ta
     assert received == [1, 2]
     with pytest.raises(ValueError, match="flush_interval_s"):
         DecodeSteps("e", 0, EMPTY_HASH, (5,), 2, frozenset(), SamplingParams(), 0, flush_interval_s=-1.0)
+
+
+def test_a_stream_asked_to_guess_does_so_only_where_a_guess_is_free_and_commits_the_target_s_own_tokens(
+        tiny_target, monkeypatch):
+    """DecodeSteps.guess: where the engine's one-token step runs a spare row anyway (ik, repacked and exact), each
+    step checks a guess of the next token there; a right one commits two tokens in the step. The tokens stay the
+    target's own greedy decoding, the stream never goes past max_tokens, and a stop token is never guessed (the
+    stream ends at it)."""
+    engine = batching_engine(tiny_target, 8)
+    prompt, count = (5, 6, 7, 5, 6, 7, 5, 6), 40
+    expected = reference_greedy(tiny_target.model, list(prompt), count)
+
+    def outcomes(session: str, steps: int, stops=frozenset()) -> list:
+        asked = DecodeSteps(session, 0, EMPTY_HASH, prompt, steps, stops, SamplingParams(), 0, guess=True)
+        return [o for m in decode_stream(engine, asked, lambda: True, lambda: None) for o in m]
+
+    # This engine (transformers) pays for a second row: no guesses.
+    assert not engine.guesses_are_free
+    plain = outcomes("plain", count)
+    assert [o.verdict.next_token for o in plain] == expected and not any(o.guesses for o in plain)
+
+    monkeypatch.setattr(VerifyEngine, "guesses_are_free", property(lambda self: True))
+    guessed = outcomes("guessed", count)
+    assert [t for o in guessed for t in o.committed] == expected
+    assert guessed[-1].committed_length == len(prompt) + count
+    right = sum(len(o.accepted_guesses) for o in guessed)
+    assert sum(o.guesses for o in guessed) >= right > 0 and len(guessed) == count - right, \
+        f"{right} right guesses in {len(guessed)} steps"
+    for steps in (1, 2, 7):  # a right guess with one token left would go past the end: the last step never guesses
+        assert [t for o in outcomes(f"short-{steps}", steps) for t in o.committed] == expected[:steps]
+    stop = expected[len(expected) // 2]
+    until_stop = expected[:expected.index(stop) + 1]
+    stopped = outcomes("stopped", count, frozenset({stop}))
+    assert [t for o in stopped for t in o.committed] == until_stop
+    assert stop not in [t for o in stopped for t in o.accepted_guesses]

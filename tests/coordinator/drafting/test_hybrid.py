@@ -435,7 +435,7 @@ class CountingTarget:
 
     def __init__(self, prompt):
         self.history = list(prompt)
-        self.verifies, self.streams = 0, []
+        self.verifies, self.streams, self.guesses = 0, [], []
 
     def verify(self, draft):
         from specmesh.decoding.acceptance import Verdict
@@ -450,12 +450,25 @@ class CountingTarget:
         self.history.append(nxt)
         return Verdict(accepted, nxt)
 
-    def decode(self, max_tokens, stop_token_ids, flush_interval_s=0.0):
+    def decode(self, max_tokens, stop_token_ids, flush_interval_s=0.0, guess=False):
         self.streams.append(max_tokens)
+        self.guesses.append(guess)
         for _ in range(max_tokens):
             nxt = (self.history[-1] + 1) % 50
             self.history.append(nxt)
             yield [nxt]
+
+
+def test_streams_guess_in_generations_that_draft_unless_turned_off_and_never_in_target_only_decoding():
+    """LoopConfig.stream_guesses: a generation with a drafter asks its streams for free guesses (the verifier makes
+    them only where they cost nothing); target-only decoding, the baseline, never does."""
+    for drafter, guesses, asked in ((HybridDraftSource(Scripted([()] * 40), None), True, True),
+                                    (HybridDraftSource(Scripted([()] * 40), None), False, False),
+                                    (None, True, False)):
+        target = CountingTarget([1])
+        speculative_decode(drafter, target, LoopConfig(max_new_tokens=40, draft_length=DraftLength.fixed(4),
+                                                       stream_guesses=guesses))
+        assert target.streams and set(target.guesses) == {asked}, (drafter, guesses)
 
 
 def test_the_loop_streams_the_stretches_the_hybrid_waits_and_syncs_the_suffix_drafter_at_the_end():

@@ -184,4 +184,9 @@ class BatchingWorkerEngine:
         return timed(run, request(len(context), TokenHistory(context).hash_at(len(context)), [], False))
 
     def _drop_probe_session(self) -> None:
-        self._probe_session = None  # its KV cache goes with it (the engine frees a dropped sequence)
+        """The cost probe is over: its session's KV cache goes (the engine frees a dropped sequence). Counted as a
+        request, as end_session is: the idle upkeep declines a spare context while the probe's session holds one, and
+        without a request it would not look again (a first session that ended while the probe still measured left the
+        worker with no spare until the next request, which then waited for a new context)."""
+        with self._activity.request():
+            self._probe_session = None

@@ -351,3 +351,17 @@ def test_a_stream_asked_to_guess_does_so_only_where_a_guess_is_free_and_commits_
     stopped = outcomes("stopped", count, frozenset({stop}))
     assert [t for o in stopped for t in o.committed] == until_stop
     assert stop not in [t for o in stopped for t in o.accepted_guesses]
+
+
+def test_the_cost_probe_giving_its_session_up_counts_as_a_request_so_the_idle_upkeep_looks_again(tiny_target):
+    """The idle upkeep (an ik engine's spare context) declines while any session holds a context, the cost probe's
+    included, and looks again only after a request: the probe's end must count as one, as end_session does, or a first
+    session that ended while the probe measured leaves the worker without a spare (CI: the spare context test timed
+    out waiting for it)."""
+    engine = batching_engine(tiny_target, 8)
+    engine._probe_verify(0)  # the probe's first call: its session, prefilled
+    assert engine._probe_session is not None
+    arrivals = engine._activity.arrivals
+    engine._drop_probe_session()
+    assert engine._probe_session is None and engine._activity.arrivals == arrivals + 1
+    assert engine._activity.wait_until_quiet(0.0, threading.Event()) == arrivals + 1  # nothing left in flight

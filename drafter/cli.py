@@ -7,7 +7,7 @@ import argparse
 import dataclasses
 
 from drafter.config import METHODS, BatchingConfig, DrafterConfig
-from drafter.ngram import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM
+from specmesh.decoding.prompt_lookup import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM
 from drafter.service import DrafterRole
 from drafter.suffix import SuffixConfig
 from specmesh.runtime import requantize

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from drafter.ngram import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, NgramConfig
+from specmesh.decoding.prompt_lookup import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, NgramConfig
 from drafter.suffix import SuffixConfig
 from specmesh.worker.config import BatchingConfig, ModelConfig
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from specmesh.decoding.acceptance import Verdict, decide
-from specmesh.decoding.lookup_guess import guess_next_token
+from specmesh.decoding.prompt_lookup import NgramConfig, NgramIndex
 from specmesh.decoding.sampling import SamplingParams, SparseDist
 from specmesh.ops import metrics
 from specmesh.runtime.batched_forward import MAX_BATCHED_FRESH_TOKENS, fresh_length
@@ -24,7 +24,7 @@ from specmesh.wire.contract import Cancelled
 from specmesh.wire.history import EMPTY_HASH
 from specmesh.worker.batching_engine import BatchingWorkerEngine, QueuedRequest
 from specmesh.worker.cost_probe import PROBE_DRAFTS, PROBE_VERIFY_DRAFTS, probe_context
-from specmesh.worker.session_store import SessionLimits
+from specmesh.worker.session_store import Session, SessionLimits
 from verifier.config import BatchingConfig
 
 
@@ -41,6 +41,23 @@ class VerifyOutcome:
     def committed(self) -> tuple[int, ...]:
         """The tokens a stream's step committed, in order."""
         return (*self.accepted_guesses, self.verdict.next_token)
+
+
+# A stream's guess of the next token: what followed the latest earlier occurrence of the longest suffix of the history,
+# up to 4 tokens, seen before (prompt lookup with no minimum match: a wrong guess costs nothing where guesses are free).
+# Longer matches are rarer; past 4 tokens they rarely pick another continuation.
+GUESS_LOOKUP = NgramConfig(min_ngram=1, max_ngram=4)
+
+
+def next_token_guess(session: Session, excluded: frozenset[int]) -> list[int]:
+    """[the guess] for `session`'s next token, or [] where its last token never occurred before or the guess is in
+    `excluded` (stop tokens: a stream ends at one, so a guess there would commit past the end). The session keeps its
+    lookup index: O(1) a step after the first (specmesh/decoding/prompt_lookup.py)."""
+    if session.lookup is None:
+        session.lookup = NgramIndex(GUESS_LOOKUP)
+    session.lookup.update(session.history)
+    guess = session.lookup.propose(session.history.tokens, 1)
+    return [] if not guess or guess[0] in excluded else guess
 
 
 @dataclass
@@ -97,7 +114,7 @@ class VerifyEngine(BatchingWorkerEngine):
 
         Where `may_guess()` says so before a step, greedy, and the engine's one-token step runs a spare row anyway
         (`guesses_are_free`), the step verifies a guess of the next token from the session's history
-        (specmesh/decoding/lookup_guess.py; never one in `excluded`): accepted, the step commits two tokens for the
+        (next_token_guess; never one in `excluded`): accepted, the step commits two tokens for the
         price of one. Every token is still the target's own greedy choice."""
         over = threading.Event()
 
@@ -168,8 +185,7 @@ class VerifyEngine(BatchingWorkerEngine):
             return False
         request.start = len(request.session.history)
         if request.guess_excluding is not None and request.params.is_greedy and self.guesses_are_free:
-            guess = guess_next_token(request.session.history.tokens, request.guess_excluding)
-            request.drafts = [] if guess is None else [guess]
+            request.drafts = next_token_guess(request.session, request.guess_excluding)
         return True
 
     @property

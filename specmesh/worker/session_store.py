@@ -10,6 +10,7 @@ from typing import Any
 
 import cachetools
 
+from specmesh.decoding.prompt_lookup import NgramIndex
 from specmesh.wire.history import ResyncRequired, TokenHistory
 from specmesh.runtime.engine import CachedTokens, ModelEngine
 
@@ -33,6 +34,9 @@ class SessionLimits:
 class Session:
     history: TokenHistory
     sequence: CachedTokens
+    # The prompt-lookup index of its history, where a verifier's streamed steps guess the next token (made on first use,
+    # kept up to date by NgramIndex.update).
+    lookup: NgramIndex | None = None
 
     @property
     def num_bytes(self) -> int:

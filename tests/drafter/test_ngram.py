@@ -16,8 +16,8 @@ from coordinator import Coordinator, GenerationOptions
 from coordinator.fleet.local_workers import LocalWorkerSpec, local_workers
 from coordinator.fleet.worker_client import RemoteWorker
 from drafter.cli import main as drafter_main
-from drafter.ngram import (NO_DTYPE, NgramConfig, NgramEngine, NgramIndex, continue_from, describe_loaded,
-                           describe_target, lookup)
+from drafter.ngram import NO_DTYPE, NgramEngine, describe_loaded, describe_target
+from specmesh.decoding.prompt_lookup import NgramConfig, NgramIndex, continue_from, lookup
 from drafter.service import run_server as run_drafter
 from specmesh.wire.history import EMPTY_HASH, ResyncRequired, TokenHistory, history_hash
 from specmesh.decoding.sampling import SamplingParams, SparseDist

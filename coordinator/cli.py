@@ -74,6 +74,9 @@ def add_fleet_arguments(p: argparse.ArgumentParser) -> None:
                    help="target-only stretches stream from the verifier, which may hold tokens this long and send "
                    "them together: fewer wake-ups of both sides' gRPC threads per token; the first token of each "
                    "stretch goes at once, and generations with stop strings get every token at once (0: always)")
+    p.add_argument("--no-stream-guesses", dest="stream_guesses", action="store_false",
+                   help="streamed steps check no guess of the next token (by default, while drafting, a verifier "
+                   "whose one-token step runs a spare row anyway checks one there: ik, repacked and exact)")
     p.add_argument("--connect-timeout", type=float, default=60.0,
                    help="seconds to wait at start for a SERVING verifier (and drafter)")
     p.add_argument("--unreachable-timeout", type=float, default=5.0,
@@ -97,9 +100,6 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random when sampling)")
     p.add_argument("--stop", action="append", default=[], help="stop string; may be repeated")
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
-    p.add_argument("--no-stream-guesses", dest="stream_guesses", action="store_false",
-                   help="streamed steps check no guess of the next token (by default, while drafting, a verifier "
-                   "whose one-token step runs a spare row anyway checks one there: ik, repacked and exact)")
     p.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, stats) instead")
 
 
@@ -449,7 +449,8 @@ def serve(args: argparse.Namespace) -> int:
         with connected(args, progress=True) as coordinator:
             app = create_app(coordinator, default_max_tokens=args.default_max_tokens,
                              draft_tokens=args.draft_tokens, draft_policy=args.draft_policy,
-                             pipeline=args.pipeline, admission=admission, stream_flush_s=args.stream_flush_ms / 1000)
+                             pipeline=args.pipeline, admission=admission, stream_flush_s=args.stream_flush_ms / 1000,
+                             stream_guesses=args.stream_guesses)
             host, port = listener.getsockname()[:2]
             print(f"coordinator: {determinism_line(coordinator)}", file=sys.stderr, flush=True)
             print(f"LISTENING http://{host}:{port}", flush=True)

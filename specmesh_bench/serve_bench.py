@@ -12,6 +12,7 @@ fresh suffix trees or an n-gram drafter), then one `coordinator serve` per mode 
 
     target-only  the verifier alone (`--draft-tokens 0`): the baseline every ratio is taken against
     hybrid       model drafter + suffix drafter (`--suffix-drafter`): suffix drafts where the match is long
+    hybrid-no-guesses  the same without the streamed steps' free guesses (`--no-stream-guesses`); on request only
     suffix       the suffix drafter alone (`drafter serve --method suffix` as `--drafter`)
     ngram        the n-gram drafter (prompt lookup within the request)
     model        the model drafter, `--draft-policy` (default cost)
@@ -57,10 +58,12 @@ DEFAULT_WORKLOAD = Path(__file__).with_name("conversations.json")
 MODES = {
     "target-only": "the verifier alone (--draft-tokens 0)",
     "hybrid": "model drafter + suffix drafter (--suffix-drafter): the suffix draft where its match is long",
+    "hybrid-no-guesses": "hybrid without the streamed steps' free guesses (coordinator serve --no-stream-guesses)",
     "suffix": "suffix drafter alone (drafter serve --method suffix)",
     "ngram": "n-gram drafter (drafter serve --method ngram)",
     "model": "model drafter",
 }
+DEFAULT_MODES = ("target-only", "hybrid", "suffix", "ngram", "model")  # hybrid-no-guesses on request: a comparison
 REFERENCE = "target-only"
 REPEATING_CLASSES = ("edit", "tools", "document")  # the issue's classes that repeat themselves
 CONTROL_CLASSES = ("prose",)  # nothing repeats: the policy should back off
@@ -174,6 +177,7 @@ def worker_specs(args: argparse.Namespace, mode: str) -> list[tuple[str, object]
     return {"target-only": [("verifier", verifier)],
             "model": [("verifier", verifier), ("drafter", model)],
             "hybrid": [("verifier", verifier), ("drafter", model), ("suffix_drafter", model_free("suffix"))],
+            "hybrid-no-guesses": [("verifier", verifier), ("drafter", model), ("suffix_drafter", model_free("suffix"))],
             "suffix": [("verifier", verifier), ("drafter", model_free("suffix"))],
             "ngram": [("verifier", verifier), ("drafter", model_free("ngram"))]}[mode]
 
@@ -189,6 +193,8 @@ def serve_arguments(args: argparse.Namespace, mode: str, addresses: dict[str, st
     argv += ["--drafter", addresses["drafter"], "--draft-policy", args.draft_policy]
     if "suffix_drafter" in addresses:
         argv += ["--suffix-drafter", addresses["suffix_drafter"]]
+    if mode == "hybrid-no-guesses":
+        argv += ["--no-stream-guesses"]
     return argv
 
 
@@ -686,7 +692,7 @@ def run(args: argparse.Namespace, conversations: list[dict], modes: list[str]) -
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0], allow_abbrev=False,
                                      formatter_class=DefaultsHelpFormatter)
-    parser.add_argument("--modes", default=",".join(MODES),
+    parser.add_argument("--modes", default=",".join(DEFAULT_MODES),
                         help="comma list of: " + "; ".join(f"{m} = {what}" for m, what in MODES.items()))
     parser.add_argument("--target-model", default=DEFAULT_TARGET_MODEL, help="the verifiers' model")
     parser.add_argument("--draft-model", default=DEFAULT_DRAFT_MODEL, help="the model drafters' model")

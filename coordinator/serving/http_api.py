@@ -399,7 +399,7 @@ class CompletionsAPI:
 
     def __init__(self, coordinator: Coordinator, default_max_tokens: int, draft_tokens: int | None,
                  draft_policy: str, pipeline: bool, admission: AdmissionConfig = AdmissionConfig(),
-                 stream_flush_s: float = DEFAULT_STREAM_FLUSH_S) -> None:
+                 stream_flush_s: float = DEFAULT_STREAM_FLUSH_S, stream_guesses: bool = True) -> None:
         self.coordinator = coordinator
         self.admission = Admission(admission)
         # One thread per running generation: admission never lets more run, so nothing queues here unseen.
@@ -408,6 +408,7 @@ class CompletionsAPI:
         self._running_lock = threading.Lock()
         self.default_max_tokens, self.draft_tokens = default_max_tokens, draft_tokens
         self.draft_policy, self.pipeline, self.stream_flush_s = draft_policy, pipeline, stream_flush_s
+        self.stream_guesses = stream_guesses
         self.model_name = coordinator.verifier_info.model_name
         self.created = int(time.time())
 
@@ -452,7 +453,8 @@ class CompletionsAPI:
         return GenerationOptions(max_new_tokens=max_tokens or self.default_max_tokens, draft_tokens=self.draft_tokens,
                                  draft_policy=self.draft_policy, pipeline=self.pipeline,
                                  temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=seed,
-                                 stop=stop, chat=chat, stream_flush_s=self.stream_flush_s)
+                                 stop=stop, chat=chat, stream_flush_s=self.stream_flush_s,
+                                 stream_guesses=self.stream_guesses)
 
     def request_options(self, prompt_ids: list[int], body: _Common, max_tokens: int | None,
                         chat: bool) -> list[GenerationOptions] | JSONResponse:
@@ -520,10 +522,10 @@ class CompletionsAPI:
 def create_app(coordinator: Coordinator, default_max_tokens: int = 256, draft_tokens: int | None = None,
                draft_policy: str = DEFAULT_POLICY, pipeline: bool = False,
                admission: AdmissionConfig = AdmissionConfig(), max_body_bytes: int = 1024 * 1024,
-               stream_flush_s: float = DEFAULT_STREAM_FLUSH_S) -> FastAPI:
+               stream_flush_s: float = DEFAULT_STREAM_FLUSH_S, stream_guesses: bool = True) -> FastAPI:
     """The app; `app.state.completions` is its CompletionsAPI (admission, cancel_all) for the server around it."""
     api = CompletionsAPI(coordinator, default_max_tokens, draft_tokens, draft_policy, pipeline, admission,
-                         stream_flush_s)
+                         stream_flush_s, stream_guesses)
     app = FastAPI(title="specmesh", description="OpenAI-compatible API over distributed speculative decoding",
                   default_response_class=SafeJSONResponse)
     app.state.completions = api

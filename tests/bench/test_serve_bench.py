@@ -85,9 +85,17 @@ def test_each_mode_gets_its_own_workers_and_server_flags(tmp_path):
     assert hybrid[hybrid.index("--record") + 1] == str(tmp_path / "r")
     model = serve_arguments(args, "model", {"verifier": "v:1", "drafter": "d:2"}, tmp_path / "r")
     assert "--suffix-drafter" not in model and model[model.index("--draft-policy") + 1] == "cost"
+    # The no-guess hybrid: the hybrid's workers, a server told not to guess; the hybrid's server guesses.
+    assert kinds["hybrid-no-guesses"] == kinds["hybrid"]
+    no_guesses = serve_arguments(args, "hybrid-no-guesses", addresses, tmp_path / "r")
+    assert no_guesses == [*hybrid, "--no-stream-guesses"]
     # What the bench hands `coordinator serve` is a command line its real parser accepts.
     from coordinator.cli import build_parser as cli_parser
     assert cli_parser().parse_args(hybrid).suffix_drafter == ["s:3"]
+    assert cli_parser().parse_args(hybrid).stream_guesses is True
+    assert cli_parser().parse_args(no_guesses).stream_guesses is False
+    # It runs only when asked for: the default modes are the five that were always there.
+    assert build_parser().parse_args([]).modes.split(",") == ["target-only", "hybrid", "suffix", "ngram", "model"]
 
 
 # ---------------------------------------------------------------------------------------------- the workload

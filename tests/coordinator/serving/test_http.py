@@ -181,3 +181,18 @@ def test_prometheus_metrics_are_scraped(client, coordinator, tiny_target):
     assert any(k.startswith("specmesh_active_sessions{") for k in values)
     assert any(k.startswith("specmesh_kv_cache_bytes{") for k in values)
     assert "specmesh_failovers_total" in values and "specmesh_retries_total" in values
+
+
+def test_the_servers_stream_guess_setting_reaches_every_generations_options():
+    """`coordinator serve --no-stream-guesses` (create_app's stream_guesses) holds for every request's generation."""
+    from types import SimpleNamespace
+    from coordinator.serving.http_api import CompletionRequest
+    fake = SimpleNamespace(verifier_info=SimpleNamespace(model_name="m"))
+    body = CompletionRequest(model="m", prompt="hi")
+    for setting in (True, False):
+        api = create_app(fake, stream_guesses=setting).state.completions
+        try:
+            assert api.options_for(body, 8, chat=False, index=0).stream_guesses is setting
+        finally:
+            api.executor.shutdown()
+    assert create_app(fake).state.completions.stream_guesses is True  # guesses are the default, as in generate

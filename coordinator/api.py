@@ -23,10 +23,12 @@ import grpc
 
 from coordinator.cancel import CancelToken, GenerationCancelled
 from coordinator.drafting.policies import DEFAULT_POLICY, POLICIES
+from coordinator.fleet.drafter_prefixes import DrafterPrefixes
 from coordinator.fleet.pools import WorkerPool
 from coordinator.drafting.hybrid import MODEL, SUFFIX, HybridDraftSource
+from coordinator.drafting.costs import CostEstimate
 from coordinator.drafting.priors import cost_prior, measures_costs_later
-from coordinator.drafting.learned import OVERHEAD_S, SourceLearning
+from coordinator.drafting.learned import OPENING, OVERHEAD_S, SourceLearning
 from coordinator.loop import DraftLength, LoopConfig, LoopResult, speculative_decode
 from coordinator.record import Recorder
 from coordinator.stream_flush import DEFAULT_STREAM_FLUSH_S, check_stream_flush_s
@@ -52,10 +54,23 @@ COST_WAIT_POLL_S = 0.5  # wait_for_costs: an Info call every half second (the pr
 # Hybrid drafting: the draft model's session opens on the recent tokens only, from a start that moves by this many
 # (remote_sessions.window_start): its first round prefills what the drafter's prefix cache does not hold.
 HYBRID_MODEL_WINDOW = 256
+# What prefilling a token costs the draft model, as a share of drafting one (its one-token step), until an opening of
+# its session measured it (SourceLearning, OPENING): the real 0.5B drafter (Q4_0, repacked, 2-core Zen 4) prefilled
+# 2.8 ms a token (a 363-token window in 1.0 s, alike in passes of 31 to 512 tokens) against 8.5 ms a drafted token.
+OPENING_TOKEN_SHARE = 1 / 3
+MODEL_OPENING = "model-opening"  # SourceLearning's key for what openings measured (a factor over the prior's price)
 
 log = logging.getLogger("specmesh.coordinator")
 
 MAX_NEW_TOKENS = 1 << 20  # far beyond any model's context; the verifier's context limit applies first
+
+
+def opening_s_per_token(costs: CostEstimate | None, learned: dict[str, float] | None) -> float | None:
+    """What prefilling a token of its window costs the draft model where its session opens: its drafted token's cost
+    times OPENING_TOKEN_SHARE, times what earlier openings measured against that (`learned`); None without costs."""
+    if costs is None:
+        return None
+    return costs.draft_s_per_token * OPENING_TOKEN_SHARE * (learned or {}).get(MODEL_OPENING, 1.0)
 
 
 class TokenizerMismatch(WorkerError):
@@ -236,6 +251,9 @@ class Coordinator:
         # drafting out costs the probes of one generation, not of every one, and a source is tried again within a
         # few requests.
         self.learning = SourceLearning()
+        # What the draft model's workers likely still hold of the sessions opened through this coordinator: what
+        # opening the next one would prefill (the hybrid opens it only where that can pay).
+        self.drafter_prefixes = DrafterPrefixes()
         self._costs_read_at = time.monotonic()
         self._costs_lock = threading.Lock()
         self._set_cost_priors()
@@ -432,7 +450,8 @@ class Coordinator:
         if target.stream_guesses:  # tokens the streams' free guesses committed (DecodeRequest.guess)
             stats.update(stream_guesses=target.stream_guesses, stream_guesses_accepted=target.stream_guesses_accepted)
         if isinstance(drafter, HybridDraftSource):  # which drafter drafted how many rounds
-            stats.update(suffix_rounds=drafter.suffix_rounds, model_rounds=drafter.model_rounds)
+            stats.update(suffix_rounds=drafter.suffix_rounds, model_rounds=drafter.model_rounds,
+                         model_openings_declined=drafter.openings_declined)
         result = GenerationResult(text, loop.tokens, len(prompt_ids), loop.finish_reason, stats, loop.rounds)
         metrics.record_generation(result, time.perf_counter() - started)
         self._finished(session_id, prompt, prompt_ids, options, result)
@@ -462,11 +481,17 @@ class Coordinator:
             # conversation's whole prompt would cost its prefill on the drafter (seconds) in the first model round.
             model = LazyDraftSource(prompt_ids, open_session if self.translator is None else (
                 lambda history: TranslatingDraftSource(self.translator, history, open_session)),
-                window=HYBRID_MODEL_WINDOW if self.suffix_drafters is not None else None)
+                window=HYBRID_MODEL_WINDOW if self.suffix_drafters is not None else None,
+                prefixes=self.drafter_prefixes if self.suffix_drafters is not None else None)
         if self.suffix_drafters is None:
             return model
+        # Greedy only: a seeded sampled generation repeats exactly only where its k depends on nothing else (the
+        # prefixes depend on other requests).
+        opening = opening_s_per_token(costs, learned) if options.sampling.is_greedy else None
         return HybridDraftSource(LazyDraftSource(prompt_ids, opener(self.suffix_drafters)), model, model_costs=costs,
-                                 timed=options.sampling.is_greedy, learned_overhead_s=overhead)
+                                 timed=options.sampling.is_greedy, learned_overhead_s=overhead,
+                                 token_budget=options.max_new_tokens if opening is not None else None,
+                                 opening_s_per_token=opening)
 
     def check(self, prompt_tokens: int, options: GenerationOptions) -> None:
         """Raise ValueError if a request cannot run within the workers' limits (what generate would refuse)."""
@@ -503,6 +528,9 @@ class Coordinator:
             self.learning.record(length.source, slowdown)
         if isinstance(drafter, HybridDraftSource) and (model := drafter.model_overhead_s()) is not None:
             self.learning.record(MODEL, model, OVERHEAD_S)
+        if isinstance(drafter, HybridDraftSource) and drafter.opening_measured_s_per_token is not None and (
+                prior := opening_s_per_token(self.model_costs, {})):
+            self.learning.record(MODEL_OPENING, drafter.opening_measured_s_per_token / prior, OPENING)
 
     def token_budget(self, prompt_tokens: int, max_new_tokens: int) -> int:
         """max_new_tokens, cut to what the verifier's context holds after the prompt (finish reason "length")."""

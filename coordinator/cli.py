@@ -162,6 +162,8 @@ def print_summary(result) -> None:
     # Hybrid drafting: which source drafted how many rounds.
     sources = (f"; drafted by the suffix drafter in {s['suffix_rounds']} rounds, the draft model in "
                f"{s['model_rounds']}" if "suffix_rounds" in s else "")
+    if s.get("model_openings_declined") and not s.get("model_rounds"):  # its session would not have paid for itself
+        sources += " (its session's opening could not pay in this generation's budget)"
     # Streamed steps that checked a free guess of the next token (DecodeRequest.guess), and the right ones.
     guesses = (f"; {s['stream_guesses_accepted']} of {s['stream_guesses']} stream guesses right"
                if s.get("stream_guesses") else "")

@@ -241,3 +241,51 @@ def test_make_run_measures_the_costs_once_for_the_runs_after_it(tmp_path):
     assert "not measured" not in (second["stats"].get("draft_note") or "")
     assert "measure their costs" not in said
     assert second["token_ids"] == first["token_ids"]
+
+
+def test_a_model_session_whose_opening_cannot_pay_is_never_opened_and_the_output_stays_exact(pair):
+    """The hybrid's opening gate on the real pair: a 390-token document question, its answer's budget too small for
+    the draft model's savings to repay prefilling its window (about 1 s on 2 cores), leaves the model's session
+    unopened; a budget that can repay it opens it; a second generation over the same window prefills only what the
+    drafter does not hold from the first (the coordinator's mirror). Greedy output equals the target's own either way."""
+    from coordinator.drafting.costs import CostEstimate
+    from coordinator.drafting.hybrid import HybridDraftSource
+    from coordinator.fleet.drafter_prefixes import DrafterPrefixes
+    from coordinator.fleet.remote_sessions import LazyDraftSource
+    from coordinator.loop import Draft
+
+    class NoSuffixDrafts:
+        def propose(self, k, after=()):
+            return Draft()
+
+        def update(self, committed):
+            pass
+
+    target, draft = pair
+    params = SamplingParams()
+    document = " ".join(f"Clause {n}. The tenant pays {n * 100} euros for service {n}, invoiced each quarter and "
+                        f"reconciled each January." for n in range(1, 13))
+    prompt = chat_ids(target, f"{document}\n\nWhat does clause 7 say? Quote it.")
+    assert 300 <= len(prompt) < 512
+    # The real pair's costs (2-core Zen 4): a drafted token 11 ms, the 1.5B step 45 ms; a prefilled token 2.8 ms.
+    costs = CostEstimate(0.8, 0.0114, 0.0453, 0.0, verify_curve=((0, 0.0453), (1, 0.0456), (4, 0.0764), (8, 0.145)),
+                         target_streams=True)
+    prefixes = DrafterPrefixes()
+    expected = decode(target, draft, prompt, 0)
+
+    def generate(budget: int) -> tuple[list[int], LazyDraftSource, HybridDraftSource]:
+        model = LazyDraftSource(prompt, lambda history: InProcessDrafter(DraftEngine(draft), history, params),
+                                window=256, prefixes=prefixes)
+        hybrid = HybridDraftSource(NoSuffixDrafts(), model, model_costs=costs, timed=False, token_budget=budget,
+                                   opening_s_per_token=0.0028)
+        config = LoopConfig(max_new_tokens=MAX_NEW, eos_token_ids=frozenset(target.eos_token_ids),
+                            draft_length=DraftLength.fixed(4))
+        tokens = speculative_decode(hybrid, InProcessTarget(VerifyEngine(target), prompt, params), config).tokens
+        return tokens, model, hybrid
+    tokens, model, hybrid = generate(MAX_NEW)
+    assert tokens == expected
+    assert model.source is None and hybrid.model_rounds == 0 and hybrid.openings_declined > 0
+    tokens, model, hybrid = generate(4096)  # a budget the savings could repay: it opens
+    assert tokens == expected and model.source is not None and hybrid.model_rounds > 0
+    assert LazyDraftSource(prompt, lambda history: None, window=256, prefixes=prefixes).opening_tokens() == 0, \
+        "the drafter holds this window now"

@@ -48,6 +48,14 @@ first round and prefills the prompt, and the verifier's prefill, which gives the
 the real pair (Zen 4, `coordinator bench-serve`) that put 0.3 s on a 44-token prompt's time to first token and 1.6 s
 on a 269-token prompt's; from the second round on, the model's prefill waits for the first token instead.
 
+The model's session opens (its first round in a generation) only where that can pay: the opening prefills what the
+drafter lacks of the model's window (what the drafter's workers likely hold is mirrored from the sessions this
+coordinator opened: coordinator/fleet/drafter_prefixes.py), and what the model's rounds save a token over streaming,
+times the tokens left of the generation's budget, must cover that prefill at its price (a third of a drafted token's
+cost until an opening measured it; what openings measure carries to the next generations). In `coordinator
+bench-serve` on the real pair (Zen 4) each turn's opening prefilled 150-400 tokens (0.4-1.2 s) for answers of 20-130
+tokens, where model rounds saved a few ms a token: questions over a document ran 0.88x target-only.
+
 When neither has a draft, the round would be one target step with a Verify call per token: the hybrid asks the loop
 instead to decode the next few tokens as one stream (Draft.wait_tokens), asking the suffix drafter again after 1, 2,
 4, ... up to MAX_WAIT_TOKENS tokens while it keeps finding nothing (a match found resets the wait): on text that
@@ -84,24 +92,38 @@ MAX_WAIT_TOKENS = 16  # nothing to draft: the longest stretch decoded before the
 OVERHEAD_WINDOW = 8  # recent timed model rounds whose extra over their price gives the model's overhead
 STREAM_WINDOW = 8  # recent stretches without drafts whose seconds a token price target-only decoding
 MIN_OVERHEAD_ROUNDS = 2  # model rounds (the opening one aside) timed before their overhead counts
+MIN_OPENING_MEASURED = 32  # tokens an opening prefills for its time to say what a prefilled token costs
 
 
 class HybridDraftSource:
     def __init__(self, suffix: DraftSource, model: DraftSource | None,
                  min_suffix_tokens: int = MIN_SUFFIX_TOKENS, model_costs: CostEstimate | None = None,
                  timed: bool = True, clock: Callable[[], float] = time.perf_counter,
-                 learned_overhead_s: float | None = None) -> None:
+                 learned_overhead_s: float | None = None, token_budget: int | None = None,
+                 opening_s_per_token: float | None = None) -> None:
         """`model_costs`: the draft model's and verifier's measured costs (None: the model drafts the round's k, no
         cost gate). `learned_overhead_s`: what earlier generations measured of the model's overhead a round, assumed
         until this generation's rounds measure it. `timed`: the model's k may follow its measured overhead (greedy:
         a seeded sampled generation repeats exactly only where k never depends on timing); it is measured either
-        way."""
+        way. `token_budget` (the generation's max new tokens) and `opening_s_per_token` (what prefilling a token
+        costs the drafter): the model's session opens only where what it saves in the tokens left can pay for
+        prefilling what the drafter lacks of its window (opening_pays; either None: no such gate)."""
         if min_suffix_tokens < 1:
             raise ValueError(f"min_suffix_tokens must be >= 1, got {min_suffix_tokens}")
         if learned_overhead_s is not None and learned_overhead_s < 0:
             raise ValueError(f"learned_overhead_s must be >= 0, got {learned_overhead_s}")
         self.suffix, self.model, self.min_suffix_tokens = suffix, model, min_suffix_tokens
         self.model_costs, self.timed, self.learned_overhead_s = model_costs, timed, learned_overhead_s
+        if token_budget is not None and token_budget < 1:
+            raise ValueError(f"token_budget must be >= 1, got {token_budget}")
+        if opening_s_per_token is not None and not opening_s_per_token >= 0:
+            raise ValueError(f"opening_s_per_token must be >= 0, got {opening_s_per_token}")
+        self.token_budget, self.opening_s_per_token = token_budget, opening_s_per_token
+        self._committed = 0  # tokens this generation committed
+        self.openings_declined = 0  # rounds the model would have drafted but its session's opening could not pay
+        # The model's opening round, under verification: (its Propose's start, the tokens it prefilled, its drafts)
+        self._opening: tuple[float, int, int] | None = None
+        self.opening_measured_s_per_token: float | None = None  # what this generation's opening measured
         self._clock = clock
         self.suffix_rounds = 0  # rounds drafted by the suffix drafter
         self.model_rounds = 0  # rounds drafted by the draft model
@@ -218,6 +240,27 @@ class HybridDraftSource:
         due = self.model_rounds == 0 or self._without_model >= wait
         return due and costs is not None and costs.could_pay(k, PLAUSIBLE_ACCEPTANCE)
 
+    def opening_pays(self, model_k: int) -> bool:
+        """Whether the model's session, not yet open in this generation, may open for a round of model_k drafts:
+        where what its rounds save over the alternative (streaming the target, at its measured price) in the tokens
+        left of the budget at least pays for prefilling what the drafter lacks of the model's window
+        (LazyDraftSource.opening_tokens) at `opening_s_per_token`. The budget is what the generation may still make,
+        an answer may stop sooner: the gate is a bound, refusing only openings that cannot pay. On the real pair
+        (2-core Zen 4, `coordinator bench-serve`) a turn's opening prefilled the last answer and the new question
+        (about 150 tokens, 0.4 s), or a whole 350-400 token window where a new document came or the window moved on
+        (1.0-1.2 s: 25-30 streamed tokens), in turns of 20-130 tokens where the model's rounds saved a few ms a
+        token at most: prose conversations ran 0.90-0.96x target-only, questions over a document 0.88x."""
+        opening_tokens = getattr(self.model, "opening_tokens", None)
+        if opening_tokens is None or self.token_budget is None or self.opening_s_per_token is None or model_k < 1:
+            return True
+        tokens = opening_tokens()
+        costs = self.priced_model()
+        if not tokens or costs is None:
+            return True
+        saved_a_token = 1.0 / costs.tokens_per_s(0) - 1.0 / max(costs.tokens_per_s(model_k), 1e-9)
+        left = self.token_budget - self._committed
+        return saved_a_token * left >= tokens * self.opening_s_per_token
+
     def probe_k(self, k: int) -> int:
         """A probe's draft length: the k that pays best at PLAUSIBLE_ACCEPTANCE (at least 1), what the model would
         draft on text it follows. A probe judges the model from its prior and the probe's verdict alone, and a
@@ -232,7 +275,7 @@ class HybridDraftSource:
         self._model_draft = self._suffix_draft = None
         # Not timed: a round without a verdict (it failed), and, pipelined, a round during whose verify the next
         # round's draft was bet on (this call, with `after`): the round then took the bet's time too.
-        self._timing = self._stream_started = None
+        self._timing = self._stream_started = self._opening = None
         draft = self.suffix.propose(k, after)
         self._unsynced = 0
         after_model = self._model_last  # the last round was the model's (this one may be timed)
@@ -245,6 +288,9 @@ class HybridDraftSource:
             self._verdicts[MODEL].clear()
             self._off_until_probe = False
             model_k = max(self.model_k(k), self.probe_k(k))
+        if model_k and not self.opening_pays(model_k):  # the model's session would cost more to open than it saves
+            self.openings_declined += 1
+            model_k, probing = 0, False
         full = len(draft.tokens) >= k  # a match long enough to fill the round: trusted as it is
         # Against the model, a suffix draft needs min_suffix_tokens; against target-only decoding, any length.
         long_enough = model_k == 0 or len(draft.tokens) >= self.min_suffix_tokens
@@ -266,7 +312,12 @@ class HybridDraftSource:
         self._without_model = 0
         self.model_rounds += 1
         started = self._clock()
+        opening = getattr(self.model, "opening_tokens", lambda: 0)()
         draft = self.model.propose(model_k, after)
+        # Its time beyond a model round's: the opening's, a prefilled token (a few tokens would price the round's
+        # overhead instead).
+        if opening >= MIN_OPENING_MEASURED and not after and self.model_costs is not None:
+            self._opening = (started, opening, len(draft.tokens))
         if not after:  # a pipelined bet is not this round's draft
             self._model_draft = draft.tokens
             self._model_last = True
@@ -282,6 +333,13 @@ class HybridDraftSource:
         return replace(draft, source=MODEL)
 
     def update(self, committed: Sequence[int]) -> None:
+        if self._opening is not None:  # the opening round's Propose and verify, less what a model round costs
+            started, tokens, drafted = self._opening
+            costs = self.model_costs
+            usual = (costs.draft_round_trip_s + drafted * costs.draft_s_per_token + costs.verify_round_trip_s
+                     + costs.verify_s(drafted))
+            self.opening_measured_s_per_token = max(self._clock() - started - usual, 0.0) / tokens
+            self._opening = None
         if self._timing is not None:  # the verdict of a timed model round: what it took, from its Propose call
             started, priced = self._timing
             self._model_timings.append((self._clock() - started, priced))
@@ -305,6 +363,7 @@ class HybridDraftSource:
                         self._off_until_probe, self._probing = accepted == 0, False
         self._model_draft = self._suffix_draft = None
         self._without_model += len(committed)
+        self._committed += len(committed)
         self._unsynced += len(committed)
         self.suffix.update(committed)
         if self.model is not None:

@@ -44,6 +44,8 @@ class Measure:
 
 SLOWDOWN = Measure("slowdown", 1.0, MIN_SLOWDOWN, MAX_SLOWDOWN)  # a factor on a source's round costs
 OVERHEAD_S = Measure("overhead", 0.0, 0.0, MAX_OVERHEAD_S)  # seconds each of a source's rounds adds to its costs
+# A factor on the prior's price of prefilling a token where a draft model's session opens (coordinator/api.py)
+OPENING = Measure("opening", 1.0, 0.01, 10.0)
 
 
 @dataclass(frozen=True)

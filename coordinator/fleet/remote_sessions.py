@@ -26,6 +26,7 @@ import grpc
 import tenacity
 
 from coordinator.cancel import CancelToken
+from coordinator.fleet.drafter_prefixes import DrafterPrefixes
 from coordinator.fleet.pools import Endpoint, WorkerPool
 from coordinator.loop import Draft, DraftSource
 from coordinator.fleet.channel import SyncedHistory, is_resync
@@ -360,19 +361,45 @@ class LazyDraftSource:
     translation in front of one)."""
 
     def __init__(self, prompt: Sequence[int], open_source: Callable[[list[int]], DraftSource],
-                 window: int | None = None) -> None:
+                 window: int | None = None, prefixes: DrafterPrefixes | None = None) -> None:
         """`window`: open the source on the recent tokens only, from the last multiple of `window` that leaves at
-        least `window` of them (window_start; None: all of them)."""
+        least `window` of them (window_start; None: all of them). `prefixes`: what the drafter's workers likely hold
+        from earlier sessions (opening_tokens); the sessions opened here are added to it."""
         if window is not None and window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
         self.history: list[int] = list(prompt)
-        self._open, self.window = open_source, window
+        self._open, self.window, self.prefixes = open_source, window, prefixes
         self.source: DraftSource | None = None
+        self._held: list[int] | None = None  # what the opened session was sent, as `prefixes` remembers it
+        self._cached = (-1, 0, 0)  # opening_tokens' last look-up: (window start, tokens held, window length)
+
+    def _window(self) -> list[int]:
+        return self.history[window_start(len(self.history), self.window) if self.window else 0:]
+
+    def opening_tokens(self) -> int:
+        """Tokens the session's opening would prefill on the drafter: its window, less the prefix the drafter's
+        workers likely hold from an earlier session (`prefixes`; without it, none); 0 once open."""
+        if self.source is not None:
+            return 0
+        start = window_start(len(self.history), self.window) if self.window else 0
+        window = self.history[start:]
+        if self.prefixes is None:
+            return len(window)
+        # Asked every round while the model waits: the held prefix is looked up again only where it could have grown
+        # (it reached the end of the window last time) or the window moved.
+        checked_start, cached, checked_length = self._cached
+        if checked_start != start or cached >= checked_length:
+            cached = self.prefixes.cached(window)
+            self._cached = (start, cached, len(window))
+        return len(window) - cached
 
     def propose(self, k: int, after: Sequence[int] = ()) -> Draft:
         if self.source is None:
-            start = window_start(len(self.history), self.window) if self.window else 0
-            self.source = self._open(self.history[start:])
+            window = self._window()
+            self.source = self._open(window)
+            if self.prefixes is not None:
+                self._held = list(window)
+                self.prefixes.opened(self._held)
             self.history = []
         return self.source.propose(k, after)
 
@@ -381,6 +408,8 @@ class LazyDraftSource:
             self.history.extend(committed)
         else:
             self.source.update(committed)
+            if self._held is not None:
+                self._held.extend(committed)
 
     def end(self) -> None:
         if self.source is not None:

@@ -39,6 +39,7 @@ def test_generate_starts_local_workers_and_matches_target(expected):
     # source drafted how many rounds.
     assert out["stats"]["suffix_drafter"] is True
     assert out["stats"]["suffix_rounds"] + out["stats"]["model_rounds"] > 0
+    assert out["stats"]["model_openings_declined"] >= 0
 
 
 def test_no_suffix_drafts_with_the_model_drafter_alone(expected):

@@ -361,11 +361,12 @@ def test_a_slow_draft_model_never_locks_the_suffix_drafter_out():
     from coordinator.drafting.hybrid import HybridDraftSource
     from coordinator.drafting.learned import SourceLearning
     from coordinator.drafting.rounds import RoundRecord
+    from coordinator.fleet.drafter_prefixes import DrafterPrefixes
     from coordinator.loop import Draft
 
     coordinator = SimpleNamespace(cost_prior=SUFFIX_PRIOR, model_costs=MODEL_PRIOR, learning=SourceLearning(),
                                   draft_limit=16, propose_limit=16, drafters=object(), suffix_drafters=object(),
-                                  translator=None)
+                                  translator=None, drafter_prefixes=DrafterPrefixes())
     greedy = GenerationOptions()
 
     def start():
@@ -421,3 +422,42 @@ def test_a_slow_draft_model_never_locks_the_suffix_drafter_out():
         models.append(hybrid.model is not None)
     assert not models[0], "the model, measured over a target step slower a round, sits the next request out"
     assert any(models[:4]), f"... and is tried again within a few requests: {models}"
+
+
+def test_a_model_session_s_opening_is_priced_from_the_drafter_s_costs_then_from_what_openings_measured():
+    """What prefilling a token costs the draft model where its session opens (the hybrid's opening gate): a third of
+    a drafted token's cost until an opening of 32 tokens or more measured it; then, for the next generations, what
+    it measured, as a factor over that prior that fades with the generations that did not measure it again."""
+    from coordinator.api import MODEL_OPENING, OPENING_TOKEN_SHARE, Coordinator, opening_s_per_token
+    from coordinator.drafting.hybrid import HybridDraftSource
+    from coordinator.drafting.learned import SourceLearning
+    from tests.coordinator.drafting.test_hybrid import Scripted
+
+    assert opening_s_per_token(None, {}) is None
+    assert opening_s_per_token(MODEL_PRIOR, None) == pytest.approx(MODEL_PRIOR.draft_s_per_token * OPENING_TOKEN_SHARE)
+    assert opening_s_per_token(MODEL_PRIOR, {MODEL_OPENING: 2.0}) == pytest.approx(
+        2 * MODEL_PRIOR.draft_s_per_token * OPENING_TOKEN_SHARE)
+    coordinator = SimpleNamespace(model_costs=MODEL_PRIOR, learning=SourceLearning())
+    hybrid = HybridDraftSource(Scripted([]), Scripted([]), model_costs=MODEL_PRIOR)
+    length = SimpleNamespace(measured_slowdown=lambda rounds: None, source="suffix")
+    Coordinator._learn(coordinator, length, LoopResult(), hybrid)
+    assert coordinator.learning.get(MODEL_OPENING) is None, "no opening measured, nothing learned"
+    hybrid.opening_measured_s_per_token = 3 * MODEL_PRIOR.draft_s_per_token * OPENING_TOKEN_SHARE
+    Coordinator._learn(coordinator, length, LoopResult(), hybrid)
+    learned = coordinator.learning.start_generation()
+    assert learned[MODEL_OPENING] == pytest.approx(3.0)
+    assert opening_s_per_token(MODEL_PRIOR, learned) == pytest.approx(hybrid.opening_measured_s_per_token)
+    assert coordinator.learning.start_generation()[MODEL_OPENING] == pytest.approx(2.0), "fading towards the prior"
+
+
+def test_the_summary_says_where_the_model_s_session_never_opened_because_it_could_not_pay(capsys):
+    from coordinator.drafting.rounds import RoundRecord
+    loop = LoopResult(tokens=[1] * 8, rounds=[RoundRecord(3, 3, 0.0, 1.0), *[RoundRecord(0, 0, 0.0, 1.0)] * 4],
+                      draft_decision="adaptive k (cost policy)", draft_policy="cost")
+    for declined, model_rounds, said in ((5, 0, True), (2, 4, False), (0, 0, False)):
+        stats = {**stats_of(loop), "suffix_rounds": 1, "model_rounds": model_rounds,
+                 "model_openings_declined": declined}
+        print_summary(SimpleNamespace(finish_reason="length", stats=stats))
+        line = capsys.readouterr().err
+        assert f"the draft model in {model_rounds}" in line
+        assert ("its session's opening could not pay" in line) is said, line

@@ -185,11 +185,13 @@ def test_the_cost_policy_drafts_hybrid_without_a_draft_model_that_cannot_pay():
     """Where the draft model's costs rule it out even with every draft accepted, the cost policy's hybrid is the suffix
     drafter alone (no model session is ever opened); a fixed k or the heuristic keep the model as asked."""
     from coordinator.api import Coordinator
+    from coordinator.fleet.drafter_prefixes import DrafterPrefixes
     from tests.coordinator.drafting.test_decision import NOTHING_PAYS
 
     coordinator = Coordinator.__new__(Coordinator)  # the decision only: no workers
     coordinator.drafters, coordinator.suffix_drafters, coordinator.translator = object(), object(), None
     coordinator.model_costs = NOTHING_PAYS
+    coordinator.drafter_prefixes = DrafterPrefixes()
 
     def source(learned=None, **options):
         return coordinator._draft_source("s", [1, 2, 3], GenerationOptions(**options), 0, None, None, learned)
@@ -615,3 +617,51 @@ def test_target_only_decoding_is_priced_at_what_the_generation_s_streamed_tokens
     assert untimed.priced_model().target_only_s() == pytest.approx(ZEN4_COSTS.verify_s(0)), "sampled: no timing"
     with pytest.raises(ValueError, match="streamed_token_s"):
         replace(ZEN4_COSTS, streamed_token_s=0.0)
+
+
+def test_the_model_s_session_opens_only_where_what_it_saves_in_the_budget_left_pays_for_its_prefill():
+    """Issue 39, `coordinator bench-serve` on the real pair (2-core Zen 4): each turn's first model round prefilled
+    what the drafter lacked of its window (about 150 tokens, 0.4 s; a new document or a moved window 350-400 tokens,
+    1.0-1.2 s) for answers of 20-130 tokens, where the model's rounds saved a few ms a token: prose turns ran 0.90-0.96x
+    target-only. The model's session now opens only where its saving over the tokens left pays for that prefill."""
+    class Lazy(Scripted):
+        def __init__(self, drafts, opening):
+            super().__init__(drafts)
+            self.opening = opening
+
+        def opening_tokens(self):
+            return 0 if self.asked else self.opening
+
+        def propose(self, k, after=()):
+            clock.now += 0.0028 * self.opening_tokens() + 0.012 * k
+            return super().propose(k, after)
+    clock = Clock()
+    costs = ZEN4_PAIR.at_acceptance(0.8)
+    saved = 1 / costs.tokens_per_s(0) - 1 / costs.tokens_per_s(costs.best_k(4))
+    assert 0.003 < saved < 0.02, "the model's rounds save a few ms a token"
+
+    def hybrid(opening, budget):
+        model = Lazy([(7, 7, 7)] * 4, opening)
+        return past_first_round(HybridDraftSource(Scripted([()] * 6), model, model_costs=costs, clock=clock,
+                                                  token_budget=budget, opening_s_per_token=0.0028), 4)
+    declined = hybrid(400, 128)  # a 400-token window for at most 127 tokens: the opening cannot pay
+    assert declined.propose(4).source != "model" and declined.model.asked == [] and declined.openings_declined == 1
+    assert declined.opening_pays(2) is False
+    cheap = hybrid(3, 128)  # the last turn's session holds all but 3 tokens: it opens
+    assert cheap.propose(4).source == "model" and cheap.openings_declined == 0
+    long_budget = hybrid(400, 2048)  # the same window, for a budget that can repay it
+    opening = long_budget.propose(4)
+    assert opening.source == "model"
+    # What the opening round took beyond a model round's costs, a prefilled token: what later openings are priced at.
+    clock.now += costs.draft_round_trip_s + costs.verify_s(len(opening.tokens))
+    long_budget.update([*opening.tokens, 1])
+    assert long_budget.opening_measured_s_per_token == pytest.approx(0.0028, rel=0.01)
+    assert long_budget.propose(4).source == "model" and long_budget.opening_pays(4), "open: nothing to pay for"
+    # Without a budget or a price (a sampled generation, no costs) there is no gate.
+    ungated = past_first_round(HybridDraftSource(Scripted([()] * 3), Lazy([(7,)] * 2, 400), model_costs=costs))
+    assert ungated.propose(4).source == "model"
+    with pytest.raises(ValueError, match="token_budget"):
+        HybridDraftSource(Scripted([]), None, token_budget=0)
+    with pytest.raises(ValueError, match="opening_s_per_token"):
+        HybridDraftSource(Scripted([]), None, opening_s_per_token=-1.0)
+

@@ -240,6 +240,18 @@ class HybridDraftSource:
         due = self.model_rounds == 0 or self._without_model >= wait
         return due and costs is not None and costs.could_pay(k, PLAUSIBLE_ACCEPTANCE)
 
+    def _round_priced_s(self, asked: int, drafted: int) -> float:
+        """What `model_costs` price a model round at, whole: `asked` drafts, then the verify of the `drafted` ones."""
+        costs = self.model_costs
+        return (costs.draft_round_trip_s + asked * costs.draft_s_per_token + costs.verify_round_trip_s
+                + costs.verify_s(drafted))
+
+    def _opening_tokens(self) -> int:
+        """What opening the model's session would prefill (LazyDraftSource.opening_tokens); 0 for a model source
+        that does not say (one already open)."""
+        opening_tokens = getattr(self.model, "opening_tokens", None)
+        return opening_tokens() if opening_tokens is not None else 0
+
     def opening_pays(self, model_k: int) -> bool:
         """Whether the model's session, not yet open in this generation, may open for a round of model_k drafts:
         where what its rounds save over the alternative (streaming the target, at its measured price) in the tokens
@@ -250,10 +262,9 @@ class HybridDraftSource:
         (about 150 tokens, 0.4 s), or a whole 350-400 token window where a new document came or the window moved on
         (1.0-1.2 s: 25-30 streamed tokens), in turns of 20-130 tokens where the model's rounds saved a few ms a
         token at most: prose conversations ran 0.90-0.96x target-only, questions over a document 0.88x."""
-        opening_tokens = getattr(self.model, "opening_tokens", None)
-        if opening_tokens is None or self.token_budget is None or self.opening_s_per_token is None or model_k < 1:
+        if self.token_budget is None or self.opening_s_per_token is None or model_k < 1:
             return True
-        tokens = opening_tokens()
+        tokens = self._opening_tokens()
         costs = self.priced_model()
         if not tokens or costs is None:
             return True
@@ -312,7 +323,7 @@ class HybridDraftSource:
         self._without_model = 0
         self.model_rounds += 1
         started = self._clock()
-        opening = getattr(self.model, "opening_tokens", lambda: 0)()
+        opening = self._opening_tokens()
         draft = self.model.propose(model_k, after)
         # Its time beyond a model round's: the opening's, a prefilled token (a few tokens would price the round's
         # overhead instead).
@@ -327,17 +338,13 @@ class HybridDraftSource:
             # of the model's rounds. The lower median keeps a few such rounds out, but on code, where the two sources
             # alternate (30-60 suffix rounds a generation on the real pair), they were most of the model's rounds.
             if after_model and self.model_costs is not None:
-                costs = self.model_costs  # the round priced whole: its drafts, then their verify
-                self._timing = (started, costs.draft_round_trip_s + model_k * costs.draft_s_per_token
-                                + costs.verify_round_trip_s + costs.verify_s(len(draft.tokens)))
+                self._timing = (started, self._round_priced_s(model_k, len(draft.tokens)))
         return replace(draft, source=MODEL)
 
     def update(self, committed: Sequence[int]) -> None:
         if self._opening is not None:  # the opening round's Propose and verify, less what a model round costs
             started, tokens, drafted = self._opening
-            costs = self.model_costs
-            usual = (costs.draft_round_trip_s + drafted * costs.draft_s_per_token + costs.verify_round_trip_s
-                     + costs.verify_s(drafted))
+            usual = self._round_priced_s(drafted, drafted)
             self.opening_measured_s_per_token = max(self._clock() - started - usual, 0.0) / tokens
             self._opening = None
         if self._timing is not None:  # the verdict of a timed model round: what it took, from its Propose call

@@ -373,29 +373,29 @@ class LazyDraftSource:
         self._held: list[int] | None = None  # what the opened session was sent, as `prefixes` remembers it
         self._cached = (-1, 0, 0)  # opening_tokens' last look-up: (window start, tokens held, window length)
 
-    def _window(self) -> list[int]:
-        return self.history[window_start(len(self.history), self.window) if self.window else 0:]
+    def _window_start(self) -> int:
+        return window_start(len(self.history), self.window) if self.window else 0
 
     def opening_tokens(self) -> int:
         """Tokens the session's opening would prefill on the drafter: its window, less the prefix the drafter's
         workers likely hold from an earlier session (`prefixes`; without it, none); 0 once open."""
         if self.source is not None:
             return 0
-        start = window_start(len(self.history), self.window) if self.window else 0
-        window = self.history[start:]
+        start = self._window_start()
+        length = len(self.history) - start
         if self.prefixes is None:
-            return len(window)
+            return length
         # Asked every round while the model waits: the held prefix is looked up again only where it could have grown
         # (it reached the end of the window last time) or the window moved.
         checked_start, cached, checked_length = self._cached
         if checked_start != start or cached >= checked_length:
-            cached = self.prefixes.cached(window)
-            self._cached = (start, cached, len(window))
-        return len(window) - cached
+            cached = self.prefixes.cached(self.history[start:])
+            self._cached = (start, cached, length)
+        return length - cached
 
     def propose(self, k: int, after: Sequence[int] = ()) -> Draft:
         if self.source is None:
-            window = self._window()
+            window = self.history[self._window_start():]
             self.source = self._open(window)
             if self.prefixes is not None:
                 self._held = list(window)

@@ -11,7 +11,7 @@ EXTRAS ?= $(shell cat $(VENV)/.extras 2>/dev/null || echo test)
 
 .PHONY: setup run test test-fast models proto clean deploy-smoke ray-smoke docs-results
 
-setup: $(VENV)/.installed models
+setup: $(VENV)/.installed $(VENV)/.ik-build models
 
 # Re-install only when the project's dependencies change. torch first, pinned: it is taken from local disk as a CPU
 # build; an unpinned resolve would download a multi-GB CUDA build.
@@ -20,7 +20,14 @@ $(VENV)/.installed: pyproject.toml $(VENV)/.extras-$(EXTRAS)
 	$(PY) -m pip install -q --disable-pip-version-check "torch==2.13.0"
 	@case ",$(EXTRAS)," in *,llamacpp,*) $(PY) -c "import llama_cpp" 2>/dev/null || echo "make setup: building llama-cpp-python from source (first time on this machine: about 10 minutes; pip caches the wheel)";; esac
 	$(PY) -m pip install -q --disable-pip-version-check -e ".[$(EXTRAS)]"
-	@echo "make setup: ik_llama.cpp from its prebuilt wheel, weights repacked at load (a native build measured no faster with repack, on Sapphire Rapids and on Zen 4: docs/engines.md#native-build-measured-not-made-by-make-setup)"
+	touch $@
+
+# ik_llama.cpp compiled with row-invariant kernels: a one-row pass gives a multi-row pass's bits, so the exact target
+# steps one row (1.4x faster; docs/engines.md#the-row-invariant-build). About 100 s on 2 cores, once per machine
+# (kept in ~/.cache/specmesh/engines, copied into .venv). Where it cannot be built the engine runs the wheel's library,
+# exact with two-row steps, and this says why.
+$(VENV)/.ik-build: $(VENV)/.installed specmesh/runtime/ik_build.py
+	$(PY) -m specmesh.runtime.ik_build || true
 	touch $@
 
 # A marker per extras set: asking for other extras re-runs the install.
@@ -41,7 +48,7 @@ test: setup
 	$(PY) -m pytest -q
 
 # Everything but the real default models: quick feedback while developing.
-test-fast: $(VENV)/.installed
+test-fast: $(VENV)/.installed $(VENV)/.ik-build
 	$(PY) -m pytest -q -m "not real_models"
 
 # The deployment run for real (docs/deployment.md): builds the CPU image, starts deploy/docker-compose.yml with podman

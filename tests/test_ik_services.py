@@ -77,10 +77,12 @@ def test_info_names_the_engine(pair):
             assert info.dtype == "Q4_0" and info.engine_build.endswith("weights requantized to Q4_0")
 
 
-def test_a_decode_stream_asked_to_guess_sends_the_same_tokens_and_counts_its_guesses(pair):
-    """DecodeRequest.guess on a real ik verifier process (repacked, exact: its one-token step has a spare row): the
-    stream's tokens equal those of a stream without guesses, some messages carry two tokens of one step, and the
-    responses count the guesses and the right ones."""
+def test_a_decode_stream_asked_to_guess_sends_the_same_tokens_and_counts_its_guesses(pair, workers, monkeypatch):
+    """DecodeRequest.guess on real ik verifier processes. On the wheel's library (SPECMESH_IK_BUILD=wheel: repacked,
+    exact, its one-token step has a spare row) the stream's tokens equal those of a stream without guesses, some
+    messages carry two tokens of one step, and the responses count the guesses and the right ones. On the
+    row-invariant build (the default verifier here) a step is one row: asked to guess, it sends the same tokens
+    without guessing."""
     import grpc
 
     from specmesh.v1 import specmesh_pb2 as pb
@@ -88,18 +90,30 @@ def test_a_decode_stream_asked_to_guess_sends_the_same_tokens_and_counts_its_gue
     from specmesh.wire.history import EMPTY_HASH
 
     verifier, _ = pair
+    monkeypatch.setenv("SPECMESH_IK_BUILD", "wheel")
+    wheel_verifier = workers.start("verifier")
+    monkeypatch.delenv("SPECMESH_IK_BUILD")
     prompt = [504, 3219, 1126, 28, 216, 504, 3219, 1126, 28, 216, 504, 3219]  # a pattern to go on with
-    with grpc.insecure_channel(verifier.address) as channel:
-        stub = pb_grpc.VerifierStub(channel)
 
-        def stream(session: str, guess: bool) -> list:
+    def stream(worker, session: str, guess: bool) -> list:
+        with grpc.insecure_channel(worker.address) as channel:
+            stub = pb_grpc.VerifierStub(channel)
             request = pb.DecodeRequest(session_id=session, max_tokens=32, guess=guess, context=pb.ContextSync(
                 base_length=0, base_hash=EMPTY_HASH, new_tokens=prompt))
             responses = list(stub.Decode(request, timeout=120))
             stub.EndSession(pb.EndSessionRequest(session_id=session), timeout=30)
             return responses
 
-        plain, guessed = stream("plain", False), stream("guessed", True)
+    try:
+        plain, guessed = stream(wheel_verifier, "plain", False), stream(wheel_verifier, "guessed", True)
+        built = stream(verifier, "built", True)
+        wheel_info = RemoteWorker(wheel_verifier.address, "verifier")
+        try:
+            assert "(avx2 wheel)" in wheel_info.info().engine_build
+        finally:
+            wheel_info.close()
+    finally:
+        wheel_verifier.stop(timeout_s=5)
     tokens = [[r.token, *r.more_tokens] for r in plain]
     assert all(len(t) == 1 for t in tokens) and not any(r.guesses for r in plain)
     assert [t for r in guessed for t in (r.token, *r.more_tokens)] == [t for (t,) in tokens]
@@ -107,7 +121,7 @@ def test_a_decode_stream_asked_to_guess_sends_the_same_tokens_and_counts_its_gue
     assert sum(r.guesses for r in guessed) >= right > 0
     assert sum(len(r.more_tokens) for r in guessed) == right
     assert guessed[-1].committed_length == plain[-1].committed_length == len(prompt) + 32
-
+    assert [r.token for r in built] == [t for (t,) in tokens] and not any(r.guesses or r.more_tokens for r in built)
 
 def test_concurrent_sessions_equal_their_runs_alone(pair):
     verifier, drafter = pair

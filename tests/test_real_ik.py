@@ -69,23 +69,57 @@ def test_speculative_greedy_equals_one_token_decoding_on_every_committed_prompt(
             f"{item['id']}: k={k}, pipeline={pipeline}"
 
 
-def test_with_repack_one_row_passes_differ_so_only_a_drafter_takes_them(pair):
-    """Why the exact engine never runs a one-row pass: with repacked weights (the default) a one-row pass rounds
-    differently from a multi-row one. A drafter's engine (exact=False) takes them anyway (its drafts are verified);
-    the exact engine's steps equal its multi-row passes."""
-    exact, inexact = pair  # the target, and the drafter's engine
-    prompt = chat_ids(exact, PROMPTS[0]["prompt"])
+def _multi_and_one_row_logits(engine, tokens: list[int], prompt_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits of the tokens after the prompt: from one pass of them all, and from one-token steps."""
+    sequence = engine.new_sequence()
+    sequence.logits_for(tokens[:prompt_length], 1)
+    stepped = torch.cat([sequence.logits_for(tokens[:i + 1], 1) for i in range(prompt_length, len(tokens))])
+    return engine.new_sequence().logits_for(tokens, len(tokens) - prompt_length), stepped
+
+
+WHEEL_SCRIPT = """
+import sys, torch
+from specmesh.runtime.catalog import DEFAULT_TARGET_MODEL
+from specmesh.runtime.ik_engine import IkLlamaEngine
+from tests.test_real_ik import _multi_and_one_row_logits
+tokens, prompt_length = eval(sys.argv[1]), int(sys.argv[2])
+exact = IkLlamaEngine.load(DEFAULT_TARGET_MODEL, context_length=512, max_sessions=2, progress=False)
+one_row = IkLlamaEngine.load(DEFAULT_TARGET_MODEL, context_length=512, max_sessions=2, progress=False, exact=False)
+assert not exact.row_invariant and exact.min_pass_rows == 2 and one_row.min_pass_rows == 1, exact.build
+torch.save({"exact": _multi_and_one_row_logits(exact, tokens, prompt_length),
+            "one_row": _multi_and_one_row_logits(one_row, tokens, prompt_length)[1]}, sys.argv[3])
+"""
+
+
+def test_one_row_steps_are_exact_on_the_row_invariant_build_and_give_the_wheels_tokens(pair, tmp_path):
+    """Why the exact engine steps one row: on the row-invariant build (ik_build.py) a one-row pass gives the bits of a
+    multi-row pass, for the target as shipped (Q4_K, Q6_K) and the drafter's q4_0 copy. On the wheel's library
+    (SPECMESH_IK_BUILD=wheel, another process) one-row passes differ, so its exact engine steps two rows; those steps,
+    and its multi-row passes, give the row-invariant build's logits bit for bit: the same tokens, faster."""
+    import os
+    import subprocess
+    import sys
+
+    target, draft = pair
+    prompt = chat_ids(target, PROMPTS[0]["prompt"])
     tokens = prompt + list(range(2000, 2016))
+    assert target.row_invariant  # the exact engine: checked at load
+    for engine in pair:
+        assert engine.min_pass_rows == 1 and "row-invariant build" in engine.build, engine.build
+        multi, stepped = _multi_and_one_row_logits(engine, tokens, len(prompt))
+        assert torch.equal(multi, stepped), engine.build
 
-    def stepped(engine):
-        sequence = engine.new_sequence()
-        sequence.logits_for(tokens[:len(prompt)], 1)
-        return torch.cat([sequence.logits_for(tokens[:i + 1], 1) for i in range(len(prompt), len(tokens))])
-
-    assert exact.repack and exact.min_pass_rows == 2
-    assert torch.equal(exact.new_sequence().logits_for(tokens, 16), stepped(exact))
-    assert inexact.repack and inexact.min_pass_rows == 1
-    assert not torch.equal(inexact.new_sequence().logits_for(tokens, 16), stepped(inexact))
+    out = tmp_path / "wheel.pt"
+    env = {**os.environ, "SPECMESH_IK_BUILD": "wheel"}  # IK_LLAMA_CPP_LIB_PATH, set here by the binding, is inherited
+    done = subprocess.run([sys.executable, "-c", WHEEL_SCRIPT, repr(tokens), str(len(prompt)), str(out)], env=env,
+                          cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    wheel = torch.load(out)
+    wheel_multi, wheel_stepped = wheel["exact"]
+    assert torch.equal(wheel_multi, wheel_stepped)  # two-row steps: exact on the wheel
+    assert not torch.equal(wheel["one_row"], wheel_multi)  # its one-row passes are not
+    built_multi, _ = _multi_and_one_row_logits(target, tokens, len(prompt))
+    assert torch.equal(wheel_multi, built_multi)
 
 
 def test_many_concurrent_sessions_of_mixed_lengths_never_crash(pair):
@@ -158,18 +192,19 @@ def test_a_second_turn_resumes_from_the_prefix_cache_and_hybrid_drafts_stay_exac
     assert hybrid.suffix_rounds > 0, (hybrid.suffix_rounds, hybrid.model_rounds)
 
 
-def test_a_stream_s_free_guesses_keep_the_target_s_own_tokens_and_commit_some_two_a_step(pair):
-    """The exact repacked target's one-token step runs two rows (module docstring of the engine): a Decode stream
-    asked to guess puts a guess of the next token in the second one. On two committed code prompts, 48 tokens each:
-    the tokens equal the target's own one-token greedy decoding, and some steps committed two."""
+def test_a_stream_guesses_only_where_its_step_has_a_spare_row_and_keeps_the_target_s_own_tokens(pair):
+    """On the wheel's library the exact target's one-token step runs two rows, and a Decode stream asked to guess
+    puts a guess of the next token in the second (tests/test_ik_services.py runs that on a real wheel verifier). On
+    the row-invariant build a step is one row, so a guess would cost a second: the stream does not guess. On two
+    committed code prompts, 48 tokens each, the tokens equal the target's own one-token greedy decoding."""
     from specmesh.wire.history import EMPTY_HASH
     from verifier.decode_stream import DecodeSteps, decode_stream
 
     target, draft = pair
     verifier = VerifyEngine(target)
-    assert verifier.guesses_are_free
+    assert verifier.guesses_are_free == (not target.row_invariant)
     stops = frozenset(target.eos_token_ids)
-    right = steps = 0
+    right = steps = guesses = 0
     for item in [p for p in PROMPTS if p["class"] == "code"][:2]:
         prompt = chat_ids(target, item["prompt"])
         asked = DecodeSteps(item["id"], 0, EMPTY_HASH, tuple(prompt), 48, stops, SamplingParams(), 0, guess=True)
@@ -182,8 +217,12 @@ def test_a_stream_s_free_guesses_keep_the_target_s_own_tokens_and_commit_some_tw
                                                 draft_length=DraftLength.fixed(0))).tokens
         assert tokens == with_k0, item["id"]
         right += sum(len(o.accepted_guesses) for o in outcomes)
+        guesses += sum(o.guesses for o in outcomes)
         steps += len(outcomes)
-    assert right > 0, f"no right guess in {steps} steps"
+    if target.row_invariant:
+        assert guesses == 0 and steps == 96
+    else:
+        assert right > 0, f"no right guess in {steps} steps"
 
 
 def test_a_started_verifier_serves_its_first_session_from_a_spare_context(pair):

@@ -17,10 +17,10 @@ from coordinator.fleet.polling import wait_until
 from coordinator.fleet.worker_client import RemoteWorker, WorkerError
 
 # The environment variables of the coordinator's that its local workers get (specmesh/worker/cost_probe.py reads
-# SPECMESH_COST_CACHE and SPECMESH_PROBE_QUIET_SAMPLE_S, a worker's start SPECMESH_HUGE_PAGES; a worker started by hand
-# reads them from its own environment).
+# SPECMESH_COST_CACHE and SPECMESH_PROBE_QUIET_SAMPLE_S, a worker's start SPECMESH_HUGE_PAGES, the ik engine's binding
+# SPECMESH_IK_BUILD; a worker started by hand reads them from its own environment).
 SHARED_VARIABLES = ("SPECMESH_TOKEN", "SPECMESH_TOKEN_FILE", "SPECMESH_CACHE_DIR", "SPECMESH_COST_CACHE",
-                    "SPECMESH_PROBE_QUIET_SAMPLE_S", "SPECMESH_HUGE_PAGES")
+                    "SPECMESH_PROBE_QUIET_SAMPLE_S", "SPECMESH_HUGE_PAGES", "SPECMESH_IK_BUILD")
 
 
 def free_port(host: str = "127.0.0.1") -> int:

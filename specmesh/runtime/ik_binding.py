@@ -6,13 +6,19 @@ explicit argument types, so a wrong type fails loudly instead of corrupting memo
 (`llama_model_params`, `llama_context_params`, `llama_batch`) are the package's, pinned with its version
 (`ik-llama-cpp-python==0.1.5`); tests/specmesh/runtime/test_ik_engine.py checks that their defaults read back as
 llama.h documents them, which a shifted field would break.
+
+The library is the row-invariant build where `make setup` made one (ik_build.py: the same source with one-row passes
+taking the multi-row arithmetic), else the wheel's own. `row_invariant` says which: the ik engine's exact steps are
+one row on the first, two on the second.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import re
+import sys
 import threading
 from types import SimpleNamespace
 
@@ -48,6 +54,7 @@ def bind() -> SimpleNamespace:
     with _bind_lock:
         if _bound is not None:
             return _bound
+        row_invariant = _select_library()
         from ik_llama_cpp import _ctypes_api as api
 
         lib = api._lib
@@ -71,10 +78,32 @@ def bind() -> SimpleNamespace:
             supports_gpu_offload=fn("llama_supports_gpu_offload", [], b),
             print_system_info=fn("llama_print_system_info", [], ctypes.c_char_p),
             log_set=fn("llama_log_set", [_LOG_CALLBACK, p], None),
+            row_invariant=row_invariant,
         )
         _bound.log_set(_forward_native_log, None)
         api.llama_backend_init()
         return _bound
+
+
+def _select_library() -> bool:
+    """Point the package at the row-invariant build, or away from it where the wheel is asked for, if it has not
+    loaded its library yet (it loads it on import, from IK_LLAMA_CPP_LIB_PATH where set: a worker inherits its
+    parent's choice unless told otherwise); whether the library it loads is that build."""
+    from specmesh.runtime import ik_build
+
+    built = ik_build.installed_library()
+    if built is None:
+        return False
+    chosen = os.environ.get("IK_LLAMA_CPP_LIB_PATH")
+    is_built = chosen is not None and os.path.realpath(chosen) == os.path.realpath(built)
+    if "ik_llama_cpp._ctypes_api" not in sys.modules:
+        if ik_build.wheel_requested() and is_built:
+            del os.environ["IK_LLAMA_CPP_LIB_PATH"]
+            is_built = False
+        elif not ik_build.wheel_requested() and chosen is None:
+            os.environ["IK_LLAMA_CPP_LIB_PATH"] = str(built)
+            is_built = True
+    return is_built
 
 
 def meta(lib: SimpleNamespace, model: int, key: str) -> str | None:
@@ -111,7 +140,8 @@ def build_features(info: str | None) -> list[str]:
 
 def build_description(repack: bool) -> str:
     """What runs, for Info, logs and reports: the package and its version, the widest vector extension its build
-    uses (the PyPI wheel: avx2, whatever the CPU has), and whether the weights are repacked at load."""
+    uses (the PyPI wheel: avx2, whatever the CPU has), whether it is the row-invariant build made here (ik_build.py)
+    and whether the weights are repacked at load."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
@@ -120,4 +150,5 @@ def build_description(repack: bool) -> str:
         package = "ik_llama.cpp"
     features = build_features(system_info())
     widest = next((f for f in ("avx512", "avx2", "avx") if f in features), None)
-    return f"{package} ({widest or 'no avx'} build), repack {'on' if repack else 'off'}"
+    origin = "row-invariant build" if bind().row_invariant else "wheel"
+    return f"{package} ({widest or 'no avx'} {origin}), repack {'on' if repack else 'off'}"

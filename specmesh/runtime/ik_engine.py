@@ -33,11 +33,14 @@ Run-time repack (the default): the weights are repacked at load into ik_llama.cp
 kernels take about half the time of the plain ones on AVX2 and AVX-512 alike. With repack, every pass of 2 to 31
 rows gives bit-identical logits whatever its size and alignment (measured on the 1.5B target: passes of 2, 3, 4, 5,
 8, 16, 17, 31, mixed sizes, against 2-row passes: max |diff| 0.0; that model held up to a 409-token prompt in one
-pass, SmolLM2 Q4_1 did not at 50, so passes stay within 31 as without repack), and a one-row pass differs (0.67). So
-an exact engine never runs a one-row pass: a one-token step recomputes the previous token's cell with it (2 rows:
-the cell comes out with the same bits), a one-token sequence adds a padding row whose cell is removed after, a
-prefill is split into near-equal passes of at least 2 rows, and every pass asks for the logits of at least its last
-2 rows (the output layer sees the rows that ask; one row would take the one-row kernel).
+pass, SmolLM2 Q4_1 did not at 50, so passes stay within 31 as without repack). On the PyPI wheel a one-row pass
+differs (0.55-0.67: its kernels have one-row branches of their own). So an exact engine on the wheel never runs a
+one-row pass: a one-token step recomputes the previous token's cell with it (2 rows: the cell comes out with the same
+bits), a one-token sequence adds a padding row whose cell is removed after, a prefill is split into near-equal passes
+of at least 2 rows, and every pass asks for the logits of at least its last 2 rows (the output layer sees the rows
+that ask; one row would take the one-row kernel). The row-invariant build that `make setup` compiles (ik_build.py:
+the same source with those branches off) gives a one-row pass the bits of the others, so there a one-token step is
+one row (27 against 38 ms on the 1.5B target, 2-core Zen 4) and gives the same tokens.
 A drafter need not be exact (`exact=False`): it keeps one-row passes, the fastest.
 """
 
@@ -107,7 +110,7 @@ class IkLlamaEngine(GgufEngine):
         super().__init__("ik-forward", threads, prefix_cache)
         model_params = api.llama_model_default_params()
         model_params.n_gpu_layers = 0 if device == "cpu" else 999
-        model_params.repack_tensors = repack  # about 2x faster; exact as long as no pass has one row (docstring)
+        model_params.repack_tensors = repack  # about 2x faster; exact with two-row steps on the wheel (docstring)
         model_params.use_mmap = False
         self._model = api.llama_model_load_from_file(str(path).encode(), model_params)
         if not self._model:
@@ -121,7 +124,9 @@ class IkLlamaEngine(GgufEngine):
         self._contexts: list[int] = []  # every context made; those no session holds are prefix cache entries
         self.repack = repack
         self.exact = exact
-        # Rows of a pass, at least: with repack one row takes another kernel than two or more (module docstring).
+        # Rows of a pass, at least: with repack the wheel's kernels take other arithmetic for one row than for two or
+        # more; the row-invariant build's do not (module docstring).
+        self.row_invariant = lib.row_invariant and repack and exact  # checked on this model below
         self.min_pass_rows = 2 if repack and exact else 1
         self.max_pass_tokens = MAX_REPACKED_PASS_TOKENS if repack else MAX_PASS_TOKENS
         self._batch_rows = self.max_pass_tokens + (self.min_pass_rows - 1)  # room for a padding row
@@ -134,6 +139,24 @@ class IkLlamaEngine(GgufEngine):
         self.build = ik_binding.build_description(repack)
 
         self._live: weakref.WeakSet[IkSequence] = weakref.WeakSet()
+        if self.row_invariant:
+            self.min_pass_rows = 1
+            if not self._one_row_pass_exact():
+                # A weight layout the build's patch does not cover: exact the wheel's way, with two-row steps.
+                log.warning("%s: a one-row pass differs from a multi-row one on this build; exact steps take two rows",
+                            path.name)
+                self.row_invariant, self.min_pass_rows = False, 2
+                self.build += ", one-row check failed: two-row steps"
+
+    def _one_row_pass_exact(self) -> bool:
+        """Whether this model's one-row pass gives the bits of the same row in a multi-row pass (its output layer
+        included). Checked once at load, on the row-invariant build: its patch covers the repacked layouts whose
+        one-row kernels round their own way (ik_build.py); a model with another would fall back, not drift."""
+        tokens = list(range(100, 108))
+        whole = self.new_sequence().logits_for(tokens, 2)[-1:]
+        stepped = self.new_sequence()
+        stepped.logits_for(tokens[:-1], 1)
+        return torch.equal(stepped.logits_for(tokens, 1), whole)
 
     def _new_context(self) -> int:
         """An empty context, a prefix cache entry until a session takes it."""

@@ -315,15 +315,56 @@ def test_prefills_split_into_near_equal_passes_never_one_row():
         assert sum(sizes) == tokens and max(sizes) <= 31 and min(sizes) >= 2
 
 
-def test_repack_is_on_by_default_and_exact_passes_never_have_one_row(smol, prompt):
-    """A one-token step recomputes the previous cell with it, and a one-token sequence gets a padding row: the
-    position's logits are those of any longer pass."""
-    assert smol.repack and smol.exact and smol.min_pass_rows == 2 and "repack on" in smol.build
+def test_make_setup_built_the_row_invariant_library_and_the_engine_loads_it(smol):
+    """`make setup` compiles ik_llama.cpp with the one-row kernel branches off (ik_build.py); the binding loads that
+    library, and the engine's exact steps are one row. A failed build would leave the engine on the wheel (exact, with
+    two-row steps, 1.4x slower): this test says so instead of letting it pass unnoticed."""
+    from specmesh.runtime import ik_binding, ik_build
+
+    assert ik_build.library() is not None, \
+        f"no row-invariant build in {ik_build.install_dir()}: run `python -m specmesh.runtime.ik_build` to see why"
+    assert ik_binding.bind().row_invariant and smol.row_invariant
+    assert smol.min_pass_rows == 1 and "row-invariant build" in smol.build and "repack on" in smol.build
+    assert (ik_build.record() or {}).get("one_row_branches_off") == ik_build.ONE_ROW_BRANCHES
+
+
+def test_a_model_whose_one_row_pass_differs_on_the_build_falls_back_to_two_row_steps(prompt):
+    """The engine checks at load that a one-row pass gives a multi-row pass's bits on this model (the build's patch
+    covers the repacked layouts measured to round their own way). Where it does not, exact steps take two rows, as on
+    the wheel, and the build string says so."""
+    from specmesh.runtime.ik_engine import IkLlamaEngine
+
+    class Differs(IkLlamaEngine):
+        def _one_row_pass_exact(self) -> bool:
+            return False
+
+    engine = Differs.load(SMOL, context_length=256, max_sessions=2, progress=False)
+    try:
+        assert not engine.row_invariant and engine.min_pass_rows == 2
+        assert engine.build.endswith("one-row check failed: two-row steps")
+        whole = engine.new_sequence().logits_for(prompt[:6], 6)
+        stepped = engine.new_sequence()
+        stepped.logits_for(prompt[:3], 1)
+        assert torch.equal(stepped.logits_for(prompt[:4], 1), whole[3:4])
+    finally:
+        engine.close()
+    checked = IkLlamaEngine.load(SMOL, context_length=256, max_sessions=2, progress=False)
+    try:
+        assert checked._one_row_pass_exact() == checked.row_invariant
+    finally:
+        checked.close()
+
+
+def test_exact_steps_are_one_row_on_the_row_invariant_build_and_two_on_the_wheel(smol, prompt):
+    """A one-token step's logits are those of any longer pass. On the row-invariant build it is one row; on the
+    wheel's library (SPECMESH_IK_BUILD=wheel) it recomputes the previous cell with it, and a one-token sequence gets a
+    padding row."""
+    assert smol.repack and smol.exact and smol.min_pass_rows == (1 if smol.row_invariant else 2)
     whole = smol.new_sequence().logits_for(prompt[:6], 6)
-    assert torch.equal(smol.new_sequence().logits_for(prompt[:1], 1), whole[:1])  # padded
+    assert torch.equal(smol.new_sequence().logits_for(prompt[:1], 1), whole[:1])
     stepped = smol.new_sequence()
     stepped.logits_for(prompt[:3], 1)
-    assert torch.equal(stepped.logits_for(prompt[:4], 1), whole[3:4])  # recomputes position 2 with 3
+    assert torch.equal(stepped.logits_for(prompt[:4], 1), whole[3:4])
     assert stepped.cached_tokens == prompt[:4]
 
 

@@ -6,9 +6,12 @@ arithmetic for one row of activations than for two or more: `if constexpr (nrc_y
 in another order (`process_min_r4_b32`). Rounding then differs (max |logit diff| 0.55 on the 1.5B default target), so
 an exact engine on the wheel never runs a one-row pass: its one-token step computes two rows, 38 ms against 27 ms for
 one row here (2-core Zen 4). This build compiles the same source (the binding's own source distribution, pinned by
-hash) with those branches off, so one row takes the multi-row arithmetic: its one-token step is one row, exact.
-Passes of two rows and more compute what they computed before, bit for bit (their code is untouched), so greedy
-output is the same tokens as on the wheel's exact engine.
+hash) with the repacked kernels' one-row branches off (46 of the 83: in the plain layouts' kernels the one-row branch
+is the only correct code for one row, and its rounding already matches), so one row takes the multi-row arithmetic:
+the exact engine's one-token step is one row (the engine checks that on each model at load). Passes of two rows and
+more compute what they computed before, bit for bit (their code is untouched), so greedy output is the same tokens
+as on the wheel's exact engine. Measured exact, repacked and plain, on Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K to Q6_K,
+IQ4_XS and IQ4_NL (docs/engines.md).
 
 What is built: `libggml` and `libllama` only, with the wheel's instruction set (AVX2, FMA, F16C; a native AVX-512
 build measured slower with repack, docs/engines.md), without ik's flash attention kernels (the engine runs attention
@@ -26,7 +29,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import logging
 import os
 import platform
 import re
@@ -39,8 +41,6 @@ import time
 from pathlib import Path
 
 from specmesh.runtime import catalog
-
-log = logging.getLogger(__name__)
 
 PACKAGE = "ik-llama-cpp-python"
 VERSION = "0.1.5"  # the binding's pinned version (pyproject.toml): its struct layouts match this source only
@@ -83,7 +83,10 @@ CMAKE_OPTIONS = (
     "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF",
     "-DCMAKE_BUILD_WITH_INSTALL_RPATH=ON", "-DCMAKE_INSTALL_RPATH=$ORIGIN",  # libllama finds the libggml beside it
 )
-BUILD_NAME = f"ik-llama-cpp-python-{VERSION}-row-invariant-avx2"
+# Named by what makes it: another patch or other options give another directory, never a stale build.
+_RECIPE = hashlib.sha256(json.dumps([SDIST_SHA256, ONE_ROW_BRANCH, MULTI_ROW_ARITHMETIC, _REPACKED.pattern,
+                                     NO_FLASH_ATTENTION_STANDINS, CMAKE_OPTIONS]).encode()).hexdigest()[:10]
+BUILD_NAME = f"ik-llama-cpp-python-{VERSION}-row-invariant-avx2-{_RECIPE}"
 LIBRARIES = ("libllama.so", "libggml.so")
 RECORD = "build.json"
 SELECT_ENV = "SPECMESH_IK_BUILD"  # "wheel": load the wheel's library even where this build exists

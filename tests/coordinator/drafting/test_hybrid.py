@@ -390,13 +390,13 @@ def test_a_suffix_drafter_whose_drafts_keep_being_rejected_yields_the_round_to_a
     assert fresh.propose(4).source == "suffix" and fresh.suffix_draft_pays(4, fresh.model_k(4))
 
 
-def test_a_model_put_off_by_its_acceptance_is_probed_again_with_a_growing_wait():
-    """Rejected model rounds put the model off; with nothing to draft the loop streams. After MODEL_PROBE_TOKENS
-    tokens without it the model is asked again, judged afresh; a probe rejected outright doubles the wait, as does
-    one accepted too little for the model to pay; an accepted one brings the model back."""
+def model_put_off(costs: CostEstimate):
+    """A hybrid whose model's opening rounds were rejected until its acceptance priced it off, with nothing for the
+    suffix drafter to draft; its model; and a function streaming until the model is asked again (a probe), returning
+    the tokens streamed."""
     suffix, model = Scripted([()] * 400), Scripted([(7, 8, 9, 10)] * 50)
-    hybrid = HybridDraftSource(suffix, model, model_costs=REAL_PAIR, timed=False)
-    while hybrid.model_k(4) > 0:  # the opening rounds: rejected
+    hybrid = HybridDraftSource(suffix, model, model_costs=costs, timed=False)
+    while hybrid.model_k(4) > 0:
         hybrid.propose(4)
         hybrid.update([99])
 
@@ -408,6 +408,15 @@ def test_a_model_put_off_by_its_acceptance_is_probed_again_with_a_growing_wait()
                 hybrid.update([5] * draft.wait_tokens)
                 streamed += draft.wait_tokens
         return streamed
+
+    return hybrid, model, tokens_until_the_model_is_asked
+
+
+def test_a_model_put_off_by_its_acceptance_is_probed_again_with_a_growing_wait():
+    """Rejected model rounds put the model off; with nothing to draft the loop streams. After MODEL_PROBE_TOKENS
+    tokens without it the model is asked again, judged afresh; a probe rejected outright doubles the wait, as does
+    one accepted too little for the model to pay; an accepted one brings the model back."""
+    hybrid, model, tokens_until_the_model_is_asked = model_put_off(REAL_PAIR)
     opening = len(model.asked)  # the tokens the opening rounds committed (one each) count as tokens without it
     assert MODEL_PROBE_TOKENS - opening <= tokens_until_the_model_is_asked() < 2 * MODEL_PROBE_TOKENS
     hybrid.update([99])  # the probe, rejected outright
@@ -429,21 +438,7 @@ ROW_INVARIANT_PAIR = CostEstimate(0.7, 0.0082, 0.0318, 0.0, draft_round_trip_s=0
 def test_a_probe_accepted_too_little_for_the_model_to_pay_doubles_the_wait_as_a_rejected_one():
     """Against cheap one-row steps a probe that gets one draft accepted leaves the model priced off: the next probe
     waits twice as long, as after a probe rejected outright, instead of coming every MODEL_PROBE_TOKENS tokens."""
-    suffix, model = Scripted([()] * 400), Scripted([(7, 8, 9, 10)] * 50)
-    hybrid = HybridDraftSource(suffix, model, model_costs=ROW_INVARIANT_PAIR, timed=False)
-    while hybrid.model_k(4) > 0:  # the opening rounds: rejected
-        hybrid.propose(4)
-        hybrid.update([99])
-
-    def tokens_until_the_model_is_asked() -> int:
-        asked, streamed = len(model.asked), 0
-        while len(model.asked) == asked:
-            draft = hybrid.propose(4)
-            if not draft.tokens:
-                hybrid.update([5] * draft.wait_tokens)
-                streamed += draft.wait_tokens
-        return streamed
-
+    hybrid, model, tokens_until_the_model_is_asked = model_put_off(ROW_INVARIANT_PAIR)
     tokens_until_the_model_is_asked()
     for wait in (2, 4, 8):
         hybrid.update([7, 5])  # the probe's first draft accepted, the second not

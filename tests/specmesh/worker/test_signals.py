@@ -396,6 +396,9 @@ def test_signal_while_the_model_thread_hangs_in_native_code_ends_at_the_deadline
     """The main thread never returns from a native call (GIL released): Python's own handler never runs there, yet
     the signal is logged at once, the server stops, and the process ends at grace + 10 s with every stack logged."""
     worker = workers("--grace", "0.5", inject=HANG_ON_SESSION)
+    # Done measuring its costs first: a probe call caught behind the hung model thread would hold the stop up to its
+    # 10 s limit, past the deadline, and "stopped in" would never be logged (seen once in CI).
+    wait_for_costs(worker.address, "verifier")
     worker.verify_in_background("hang")
     worker.wait_for_line("HANGING")
     status, took = worker.signal_and_time(signal.SIGTERM, bound_s=25)

@@ -28,7 +28,8 @@ from coordinator.fleet.pools import WorkerPool
 from coordinator.drafting.hybrid import MODEL, SUFFIX, HybridDraftSource
 from coordinator.drafting.costs import CostEstimate
 from coordinator.drafting.priors import cost_prior, measures_costs_later
-from coordinator.drafting.learned import OPENING, OVERHEAD_S, SourceLearning
+from coordinator.drafting.learned import OPENING, OVERHEAD_S, STREAM, SourceLearning
+from coordinator.drafting.learning_store import learning_store
 from coordinator.loop import DraftLength, LoopConfig, LoopResult, speculative_decode
 from coordinator.record import Recorder
 from coordinator.stream_flush import DEFAULT_STREAM_FLUSH_S, check_stream_flush_s
@@ -59,6 +60,7 @@ HYBRID_MODEL_WINDOW = 256
 # 2.8 ms a token (a 363-token window in 1.0 s, alike in passes of 31 to 512 tokens) against 8.5 ms a drafted token.
 OPENING_TOKEN_SHARE = 1 / 3
 MODEL_OPENING = "model-opening"  # SourceLearning's key for what openings measured (a factor over the prior's price)
+STREAMED = "streamed"  # SourceLearning's key for what a hybrid's streamed tokens took (a factor over the verifier's v(0))
 
 log = logging.getLogger("specmesh.coordinator")
 
@@ -249,8 +251,9 @@ class Coordinator:
         # suffix drafter's as a slowdown, a draft model's as an overhead a round), fading with the generations since
         # (coordinator/drafting/learned.py). The next greedy generations start from it, so a cost that rules
         # drafting out costs the probes of one generation, not of every one, and a source is tried again within a
-        # few requests.
-        self.learning = SourceLearning()
+        # few requests. Kept in a file per set of workers, for the next coordinator processes (learning_store).
+        self.learning = SourceLearning(store=learning_store(self.verifier_info, self.drafter_info,
+                                                            self.suffix_drafter_info))
         # What the draft model's workers likely still hold of the sessions opened through this coordinator: what
         # opening the next one would prefill (the hybrid opens it only where that can pay).
         self.drafter_prefixes = DrafterPrefixes()
@@ -449,6 +452,8 @@ class Coordinator:
         stats = summarize(loop, time.perf_counter() - started, seed, faults, self.engines)
         if target.stream_guesses:  # tokens the streams' free guesses committed (DecodeRequest.guess)
             stats.update(stream_guesses=target.stream_guesses, stream_guesses_accepted=target.stream_guesses_accepted)
+        if learned:  # what it started from, of what earlier generations measured (SourceLearning)
+            stats.update(learned={source: round(value, 6) for source, value in sorted(learned.items())})
         if isinstance(drafter, HybridDraftSource):  # which drafter drafted how many rounds
             stats.update(suffix_rounds=drafter.suffix_rounds, model_rounds=drafter.model_rounds,
                          model_openings_declined=drafter.openings_declined)
@@ -472,7 +477,9 @@ class Coordinator:
         # overhead earlier generations measured, until this one's rounds measure it), and is left out where no k can
         # pay; a fixed k or the heuristic ask it for the round's k.
         costs = self.model_costs if options.draft_tokens is None and options.draft_policy == "cost" else None
-        overhead = (learned or {}).get(MODEL)
+        overhead, streamed = (learned or {}).get(MODEL), (learned or {}).get(STREAMED)
+        if costs is not None and streamed is not None:  # target-only decoding at what earlier generations' streams took
+            costs = replace(costs, streamed_token_s=streamed * costs.verify_s(0))
         model_off = costs is not None and (costs if overhead is None else costs.with_draft_overhead(overhead)) \
             .drafting_off(DraftLength.maximum) is not None
         if self.drafters is not None and (self.suffix_drafters is None or not model_off):
@@ -528,6 +535,9 @@ class Coordinator:
             self.learning.record(length.source, slowdown)
         if isinstance(drafter, HybridDraftSource) and (model := drafter.model_overhead_s()) is not None:
             self.learning.record(MODEL, model, OVERHEAD_S)
+        if isinstance(drafter, HybridDraftSource) and drafter.model_costs is not None and (
+                streamed := drafter.streamed_token_s()) is not None:
+            self.learning.record(STREAMED, streamed / drafter.model_costs.verify_s(0), STREAM)
         if isinstance(drafter, HybridDraftSource) and drafter.opening_measured_s_per_token is not None and (
                 prior := opening_s_per_token(self.model_costs, {})):
             self.learning.record(MODEL_OPENING, drafter.opening_measured_s_per_token / prior, OPENING)

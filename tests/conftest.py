@@ -92,6 +92,11 @@ def _command_line(pid: int) -> str:
 # always may, so the tests' workers, in this process or started by it, measure without waiting. The waiting itself is
 # tested with a given reading of the machine (tests/specmesh/worker/test_cost_probe.py).
 os.environ["SPECMESH_PROBE_QUIET_SAMPLE_S"] = "0"
+# What a coordinator learns of its workers is kept in a file for the next processes (coordinator/drafting/
+# learning_store.py): here each test's coordinators start from nothing, whatever tests ran before them (or ran beside
+# them, in pytest-xdist's other process). Keeping it is tested with a store of its own (tests/coordinator/drafting/
+# test_learning_store.py).
+os.environ["SPECMESH_LEARNING_CACHE"] = "0"
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -282,6 +282,43 @@ def test_make_run_measures_the_costs_once_for_the_runs_after_it(tmp_path):
     assert second["token_ids"] == first["token_ids"]
 
 
+def test_the_next_coordinator_generate_starts_from_what_the_last_one_learned_of_the_workers(tmp_path):
+    """Two `coordinator generate` runs on the default hybrid, the learning cache on (as outside the tests): the first
+    keeps what its generation measured of the workers (its streamed tokens' price; the model's overhead where its
+    rounds measured it) in a file for this set of workers; the second starts its generation from it (stats'
+    `learned`), and its tokens are the same."""
+    import os
+    import subprocess
+    import sys
+
+    from specmesh.runtime.catalog import cache_dir
+
+    for shared in ("models", "converted", "wheels", "requantized", "engines", "costs"):  # all but what was learned
+        if (cache_dir() / shared).exists():
+            (tmp_path / shared).symlink_to(cache_dir() / shared)
+    env = {**os.environ, "SPECMESH_CACHE_DIR": str(tmp_path), "SPECMESH_LEARNING_CACHE": "1"}
+    env.pop("SPECMESH_COST_CACHE", None)
+
+    def generate() -> dict:
+        run = subprocess.run([sys.executable, "-m", "coordinator", "generate", "--prompt", PROMPTS[0]["prompt"],
+                              "--max-new-tokens", "48", "--json"], capture_output=True, text=True, timeout=600,
+                             env=env)
+        assert run.returncode == 0, run.stderr
+        return json.loads(run.stdout)
+
+    first = generate()
+    if "not measured" in (first["stats"].get("draft_note") or ""):  # a machine with no cached costs: now measured
+        first = generate()
+    stored = list((tmp_path / "learned").glob("*.json"))
+    assert len(stored) == 1, stored
+    entries = json.loads(stored[0].read_text())["entries"]
+    assert "streamed" in entries and 0.25 <= entries["streamed"]["value"] <= 4.0, entries
+    second = generate()
+    learned = second["stats"].get("learned", {})
+    assert learned.get("streamed") == pytest.approx(entries["streamed"]["value"], rel=1e-4), (learned, entries)
+    assert second["token_ids"] == first["token_ids"]
+
+
 def test_a_model_session_whose_opening_cannot_pay_is_never_opened_and_the_output_stays_exact(pair):
     """The hybrid's opening gate on the real pair: a 390-token document question, its answer's budget too small for
     the draft model's savings to repay prefilling its window (about 1 s on 2 cores), leaves the model's session

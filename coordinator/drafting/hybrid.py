@@ -5,8 +5,8 @@ Per round the suffix drafter is asked first: it drafts only where the recent tok
 request's prompt and output, earlier requests' outputs) and drafts longer the longer the match. The draft model's
 drafts cost c target steps per token, so it gets the k its own costs find best (`model_costs`: the workers' measured
 costs, with the acceptance of its recent rounds and the overhead they measured), and none when that best k is 0.
-The suffix draft is the round's draft when it has all k tokens asked for (a long match: a repeated edit, a quoted
-document), or at least `min_suffix_tokens` and verifying it commits tokens at least as fast as a model round would,
+The suffix draft is the round's draft when it has all k tokens asked for, and at least `min_suffix_tokens` (a long
+match: a repeated edit, a quoted document), or at least `min_suffix_tokens` and verifying it commits tokens at least as fast as a model round would,
 each source at the acceptance its own recent rounds measured (the suffix drafter's shorter drafts', and the model's:
 `suffix_draft_pays`); then the draft model stays out of the round's critical path. That second condition is what
 keeps a suffix drafter's coincidental short matches (2 to 5 tokens of code that occurred before, mostly rejected)
@@ -85,6 +85,10 @@ SUFFIX, MODEL = "suffix", "model"  # the sources, as RoundRecord.source and Sour
 MIN_SUFFIX_TOKENS = 2  # a one-token suffix draft is a weak match: the model's k tokens are likelier to pay
 PRIOR_WEIGHT = 4  # pseudo-drafts of the prior acceptance in a source's measured acceptance
 SUFFIX_PRIOR_ACCEPTANCE = PLAUSIBLE_ACCEPTANCE  # a suffix match is trusted until its rounds say otherwise
+# The suffix drafter's one-token drafts (a one-token match: it drafts at most as many tokens as it matched) are judged
+# on their own, from a prior of their own: see suffix_draft_pays.
+SUFFIX_ONE = "suffix-one"
+SUFFIX_ONE_PRIOR_ACCEPTANCE = 0.2
 ACCEPTANCE_WINDOW = 8  # a source's recent rounds whose verdicts give its acceptance: the text changes character
 MODEL_PROBE_TOKENS = 16  # the model off by its acceptance: tokens without it before a round asks it again (a probe)
 MODEL_PROBE_MAX_TOKENS = 128  # ... doubling after each probe rejected outright, up to this many
@@ -132,6 +136,7 @@ class HybridDraftSource:
         self._suffix_draft: tuple[int, ...] | None = None  # the suffix drafter's short draft under verification
         # (drafted, accepted) of each source's recent rounds: the acceptance each is judged by
         self._verdicts: dict[str, deque[tuple[int, int]]] = {SUFFIX: deque(maxlen=ACCEPTANCE_WINDOW),
+                                                             SUFFIX_ONE: deque(maxlen=ACCEPTANCE_WINDOW),
                                                              MODEL: deque(maxlen=ACCEPTANCE_WINDOW)}
         self._without_model = 0  # tokens committed since the model's last round
         self._failed_probes = 0  # model probes in a row rejected outright
@@ -169,7 +174,8 @@ class HybridDraftSource:
 
     def acceptance(self, source: str) -> float:
         """A source's per-token acceptance over its recent rounds, with PRIOR_WEIGHT pseudo-drafts of its prior (the
-        workers' for the model, SUFFIX_PRIOR_ACCEPTANCE for the suffix drafter).
+        workers' for the model, SUFFIX_PRIOR_ACCEPTANCE for the suffix drafter's drafts of two tokens or more,
+        SUFFIX_ONE_PRIOR_ACCEPTANCE for its one-token drafts, `SUFFIX_ONE`).
 
         The model's is the geometric model's maximum-likelihood estimate, as the cost policy's (measured_acceptance):
         each accepted draft a success, each round that stopped before its last draft one failure. The drafts after
@@ -188,7 +194,8 @@ class HybridDraftSource:
             successes = accepted + PRIOR_WEIGHT * prior
             failures = sum(a < d for d, a in verdicts) + PRIOR_WEIGHT * (1.0 - prior)
             return successes / max(successes + failures, 1e-9)
-        return (accepted + PRIOR_WEIGHT * SUFFIX_PRIOR_ACCEPTANCE) / (sum(d for d, _ in verdicts) + PRIOR_WEIGHT)
+        prior = SUFFIX_ONE_PRIOR_ACCEPTANCE if source == SUFFIX_ONE else SUFFIX_PRIOR_ACCEPTANCE
+        return (accepted + PRIOR_WEIGHT * prior) / (sum(d for d, _ in verdicts) + PRIOR_WEIGHT)
 
     def priced_model(self) -> CostEstimate | None:
         """The model's costs at its measured acceptance, each round priced with its measured overhead (what earlier
@@ -207,7 +214,8 @@ class HybridDraftSource:
     def streamed_token_s(self) -> float | None:
         """Seconds a token of this generation's recent stretches without drafts took (the lower median over the last
         STREAM_WINDOW), what the model's rounds are weighed against; None until MIN_OVERHEAD_ROUNDS stretches
-        measured it (then the verifier's v(0)). The model's rounds are priced at what they measure (their overhead),
+        measured it (then `model_costs.streamed_token_s`, what earlier generations' streams took, where the caller
+        learned it; else the verifier's v(0)). The model's rounds are priced at what they measure (their overhead),
         so target-only decoding is too: on the real pair (Zen 4) the hybrid's streamed tokens took 46 ms (median;
         short stretches, each a stream of its own) against the 38.6 ms v(0) the verifier's probe measured on an idle
         machine, while its model rounds were priced with the 14-22 ms a round they took beyond their costs. One-draft
@@ -220,11 +228,19 @@ class HybridDraftSource:
         """Whether verifying the suffix drafter's draft of `suffix_tokens` commits tokens at least as fast as the
         alternative would: a model round of model_k, or target-only decoding where model_k is 0, each at its source's
         measured acceptance. The suffix draft costs only its verify (it is already drafted); without the model's costs
-        it always wins."""
+        it always wins.
+
+        A one-token draft is judged by the suffix drafter's one-token drafts alone (from SUFFIX_ONE_PRIOR_ACCEPTANCE):
+        it comes from a one-token match, the weakest a suffix tree offers, and its verify costs a second row. On the
+        real pair (row-invariant ik build, 2-core Zen 4) one-token suffix drafts were accepted 21% of the time (23 of
+        109, over 16 prompts: 10 of the committed set, 6 unseen), the prior's value, while the longer drafts they were
+        pooled with, and the 90% prior, kept the pooled estimate at 0.3-0.5: every one of them was verified, at 40 ms
+        against 25-31 ms a streamed token, 2-4% of a code answer's time. Where a second row costs little (the prebuilt wheel's two-row steps: v(1) of 0.96 v(0)),
+        they still pay at that acceptance."""
         costs = self.priced_model()
         if costs is None:
             return True
-        suffix = costs.at_acceptance(self.acceptance(SUFFIX))
+        suffix = costs.at_acceptance(self.acceptance(SUFFIX_ONE if suffix_tokens == 1 else SUFFIX))
         suffix_rate = suffix.expected_tokens(suffix_tokens) / max(
             suffix.verify_round_trip_s + suffix.verify_s(suffix_tokens), 1e-9)
         return suffix_rate >= costs.tokens_per_s(model_k)
@@ -302,7 +318,10 @@ class HybridDraftSource:
         if model_k and not self.opening_pays(model_k):  # the model's session would cost more to open than it saves
             self.openings_declined += 1
             model_k, probing = 0, False
-        full = len(draft.tokens) >= k  # a match long enough to fill the round: trusted as it is
+        # A match long enough to fill the round is trusted as it is; a round of one token is filled by any match, and
+        # a one-token match is the weakest there is: on the real pair (row-invariant build) the policy's k fell to 1
+        # on prose and every one-token match was verified unpriced (23 in a 160-token answer, 10 accepted).
+        full = len(draft.tokens) >= max(k, self.min_suffix_tokens)
         # Against the model, a suffix draft needs min_suffix_tokens; against target-only decoding, any length.
         long_enough = model_k == 0 or len(draft.tokens) >= self.min_suffix_tokens
         if draft.tokens and (full or long_enough and self.suffix_draft_pays(len(draft.tokens), model_k)):
@@ -314,9 +333,13 @@ class HybridDraftSource:
         if first_round and self.model is not None:  # the model's turn comes next round: not the suffix drafter's miss
             return Draft()
         if model_k == 0:
-            self._misses += 1
+            # A match too weak to verify is still a match: the next token may extend it into one worth verifying (a
+            # quoted document's first matched token, then 2, 3, ...), so the suffix drafter is asked again after one
+            # token. Counted as a miss, it doubled the wait: on the real pair a SQL statement to repeat with one name
+            # changed was streamed 16 tokens at a time past the matches that had drafted 96 tokens, 68 accepted.
+            self._misses = 0 if draft.tokens else self._misses + 1
             self._stream_started = None if after else self._clock()
-            return Draft(wait_tokens=min(1 << (self._misses - 1), MAX_WAIT_TOKENS))
+            return Draft(wait_tokens=1 if draft.tokens else min(1 << (self._misses - 1), MAX_WAIT_TOKENS))
         if probing:
             log.debug("hybrid: probing the draft model after %d tokens without it", self._without_model)
         self._probing = probing
@@ -355,7 +378,8 @@ class HybridDraftSource:
             self._stream_timings.append((self._clock() - self._stream_started) / len(committed))
             self._stream_started = None
         # How much of the round's draft the target kept: the acceptance its source is judged by.
-        for source, draft in ((MODEL, self._model_draft), (SUFFIX, self._suffix_draft)):
+        suffix = SUFFIX_ONE if self._suffix_draft is not None and len(self._suffix_draft) == 1 else SUFFIX
+        for source, draft in ((MODEL, self._model_draft), (suffix, self._suffix_draft)):
             if draft:
                 accepted = 0
                 while accepted < min(len(draft), len(committed)) and draft[accepted] == committed[accepted]:

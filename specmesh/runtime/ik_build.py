@@ -117,11 +117,6 @@ def wheel_requested() -> bool:
     return os.environ.get(SELECT_ENV, "").strip().lower() == "wheel"
 
 
-def library() -> Path | None:
-    """The library the ik engine should load: the row-invariant build where it is built and not declined."""
-    return None if wheel_requested() else installed_library()
-
-
 def record() -> dict | None:
     """What the installed build recorded (its source, options and compile time), None where there is none."""
     try:
@@ -149,8 +144,8 @@ def patch_source(source: Path) -> int:
     """Patch the ik_llama.cpp tree `source`: the repacked kernels' one-row branches off (how many there were), and the
     stand-ins that a build without ik's flash attention kernels lacks. Refuses a tree where either does not apply as
     it did on the pinned version's: its kernels are not the ones this patch was measured on."""
-    files = sorted(source.glob(KERNEL_GLOB))
-    branches = {path: _repacked_kernel_branches(path.read_text()) for path in files}
+    kernels = {path: path.read_text() for path in sorted(source.glob(KERNEL_GLOB))}
+    branches = {path: _repacked_kernel_branches(kernel) for path, kernel in kernels.items()}
     found = sum(len(offsets) for offsets in branches.values())
     if found != ONE_ROW_BRANCHES:
         raise RuntimeError(f"{source}: {found} one-row branches in repacked kernels, expected {ONE_ROW_BRANCHES} "
@@ -160,7 +155,7 @@ def patch_source(source: Path) -> int:
     if text.count(NO_FLASH_ATTENTION_STANDIN) != 1:
         raise RuntimeError(f"{attention}: not the {PACKAGE} {VERSION} source this patch was made for")
     for path, offsets in branches.items():
-        kernel = path.read_text()
+        kernel = kernels[path]
         for offset in reversed(offsets):
             kernel = kernel[:offset] + MULTI_ROW_ARITHMETIC + kernel[offset + len(ONE_ROW_BRANCH):]
         path.write_text(kernel)

@@ -16,6 +16,7 @@ import pytest
 from coordinator.api import summarize
 from coordinator.cli import print_summary
 from coordinator.drafting.costs import PLAUSIBLE_ACCEPTANCE, PRIOR_ACCEPTANCE, CostEstimate
+from coordinator.drafting.learned import STREAM as STREAMED_MEASURE
 from coordinator.drafting.policies import PROBE_EVERY, PROBE_MAX_GAP
 from coordinator.drafting.policies import DraftLength
 from coordinator.fleet.pools import WorkerPool
@@ -356,10 +357,11 @@ def test_a_slow_draft_model_never_locks_the_suffix_drafter_out():
     every later request decode target-only for ten minutes, the free suffix drafts included. Scripted here: the
     first generation's model rounds take 3.28x their price (and the round records say so); then a run of repeating
     requests. Every one of them must be able to draft from the suffix drafter (c < 0.1), and the draft model, ruled
-    out by what it measured, must be tried again within a few requests."""
+    out by what it measured (its overhead a round, held as measured), must be tried again once that is forgotten,
+    after FORGET_AFTER_REQUESTS requests."""
     from coordinator.api import Coordinator, GenerationOptions
     from coordinator.drafting.hybrid import HybridDraftSource
-    from coordinator.drafting.learned import SourceLearning
+    from coordinator.drafting.learned import FORGET_AFTER_REQUESTS, SourceLearning
     from coordinator.drafting.rounds import RoundRecord
     from coordinator.fleet.drafter_prefixes import DrafterPrefixes
     from coordinator.loop import Draft
@@ -421,7 +423,8 @@ def test_a_slow_draft_model_never_locks_the_suffix_drafter_out():
         assert length.first() > 0 or length.next(0, [RoundRecord(0, 0, 0.0, 1.0)]) > 0
         models.append(hybrid.model is not None)
     assert not models[0], "the model, measured over a target step slower a round, sits the next request out"
-    assert any(models[:4]), f"... and is tried again within a few requests: {models}"
+    assert not any(models[:FORGET_AFTER_REQUESTS]) and models[FORGET_AFTER_REQUESTS], \
+        f"... held out while its overhead is held, and tried again once that is forgotten: {models}"
 
 
 def test_a_model_session_s_opening_is_priced_from_the_drafter_s_costs_then_from_what_openings_measured():
@@ -448,6 +451,47 @@ def test_a_model_session_s_opening_is_priced_from_the_drafter_s_costs_then_from_
     assert learned[MODEL_OPENING] == pytest.approx(3.0)
     assert opening_s_per_token(MODEL_PRIOR, learned) == pytest.approx(hybrid.opening_measured_s_per_token)
     assert coordinator.learning.start_generation()[MODEL_OPENING] == pytest.approx(2.0), "fading towards the prior"
+
+
+def test_what_a_hybrid_s_streamed_tokens_took_prices_target_only_decoding_in_the_next_generations():
+    """The tokens a hybrid streams without drafts are what the draft model's rounds compete with: what they took,
+    against the verifier's v(0), is learned (a factor, fading like the others), and the next generation prices
+    target-only decoding with it from its first round, before its own stretches measure it. Where streaming is far
+    cheaper than the probe's v(0) said, the draft model is left out from the start."""
+    from coordinator.api import STREAMED, Coordinator, GenerationOptions
+    from coordinator.drafting.hybrid import HybridDraftSource
+    from coordinator.drafting.learned import SourceLearning
+    from coordinator.fleet.drafter_prefixes import DrafterPrefixes
+    from tests.coordinator.drafting.test_hybrid import Scripted
+
+    coordinator = SimpleNamespace(cost_prior=SUFFIX_PRIOR, model_costs=MODEL_PRIOR, learning=SourceLearning(),
+                                  draft_limit=16, propose_limit=16, drafters=object(), suffix_drafters=object(),
+                                  translator=None, drafter_prefixes=DrafterPrefixes())
+    greedy = GenerationOptions()
+
+    def start() -> tuple[DraftLength, HybridDraftSource]:
+        learned = coordinator.learning.start_generation()
+        return (Coordinator.draft_length(coordinator, greedy, learned),
+                Coordinator._draft_source(coordinator, "s", [1, 2, 3], greedy, 0, None, None, learned))
+
+    length, first = start()
+    assert first.model is not None and first.model_costs.streamed_token_s is None
+    now = [0.0]
+    streaming = HybridDraftSource(Scripted([]), None, model_costs=MODEL_PRIOR, clock=lambda: now[0])
+    for _ in range(4):  # stretches without drafts, each token at 0.4 of the verifier's v(0)
+        draft = streaming.propose(4)
+        now[0] += 0.4 * MODEL_PRIOR.verify_s(0) * draft.wait_tokens
+        streaming.update([5] * draft.wait_tokens)
+    assert streaming.streamed_token_s() == pytest.approx(0.4 * MODEL_PRIOR.verify_s(0))
+    Coordinator._learn(coordinator, length, LoopResult(), streaming)
+    assert coordinator.learning.get(STREAMED).value == pytest.approx(0.4)
+    _, second = start()
+    assert second.model is None, "a model round priced against 0.4 of a step a token cannot pay: its session unopened"
+    assert coordinator.learning.get(STREAMED).requests_since == 1
+    coordinator.learning.record(STREAMED, 0.9, STREAMED_MEASURE)
+    _, third = start()
+    assert third.model is not None and third.model_costs.streamed_token_s == pytest.approx(0.9 * MODEL_PRIOR.verify_s(0))
+    assert third.priced_model().target_only_s() == pytest.approx(0.9 * MODEL_PRIOR.verify_s(0))
 
 
 def test_the_summary_says_where_the_model_s_session_never_opened_because_it_could_not_pay(capsys):

@@ -36,10 +36,11 @@ def test_a_slowdown_fades_with_each_generation_that_does_not_measure_it_and_is_t
     assert [learning.start_generation()["model"] for _ in range(2)] == [0.5, 0.75]
 
 
-def test_an_overhead_fades_towards_zero_and_is_clamped_to_its_own_bounds():
+def test_an_overhead_is_held_as_measured_until_forgotten_and_is_clamped_to_its_own_bounds():
     learning = SourceLearning()
     learning.record("model", 0.012, OVERHEAD_S)
-    assert [learning.start_generation()["model"] for _ in range(3)] == pytest.approx([0.012, 0.006, 0.003])
+    seen = [learning.start_generation().get("model") for _ in range(FORGET_AFTER_REQUESTS + 1)]
+    assert seen == [0.012] * FORGET_AFTER_REQUESTS + [None]
     learning.record("model", -1.0, OVERHEAD_S)
     assert learning.get("model").value == 0.0
     learning.record("model", 1e6, OVERHEAD_S)

@@ -71,24 +71,24 @@ def install(prefix) -> None:
     (directory / ik_build.RECORD).write_text(json.dumps({"compile_s": 99.0, "one_row_branches_off": 83}))
 
 
-def test_the_library_is_the_installed_build_unless_the_wheel_is_asked_for(tmp_path, monkeypatch, capsys):
+def test_the_build_is_installed_once_complete_and_the_wheel_can_be_asked_for(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(ik_build.sys, "prefix", str(tmp_path))
     monkeypatch.delenv(ik_build.SELECT_ENV, raising=False)
-    assert ik_build.installed_library() is None and ik_build.library() is None
+    assert ik_build.installed_library() is None
     assert ik_build.main(["--check"]) == 1
     assert "no row-invariant build" in capsys.readouterr().out
 
     install(tmp_path)
-    assert ik_build.library() == ik_build.install_dir() / "libllama.so" == ik_build.installed_library()
+    assert ik_build.installed_library() == ik_build.install_dir() / "libllama.so" and not ik_build.wheel_requested()
     assert ik_build.record()["compile_s"] == 99.0
     assert ik_build.main([]) == 0  # installed: nothing to build
     assert "row-invariant build installed" in capsys.readouterr().out
     monkeypatch.setenv(ik_build.SELECT_ENV, "wheel")
-    assert ik_build.library() is None and ik_build.installed_library() is not None
+    assert ik_build.wheel_requested() and ik_build.installed_library() is not None
 
     (ik_build.install_dir() / "libggml.so").unlink()  # a partial install is no install
     monkeypatch.delenv(ik_build.SELECT_ENV)
-    assert ik_build.library() is None
+    assert ik_build.installed_library() is None
 
 
 def test_a_failed_build_says_why_and_leaves_nothing_installed(tmp_path, monkeypatch, capsys):

@@ -321,7 +321,7 @@ def test_make_setup_built_the_row_invariant_library_and_the_engine_loads_it(smol
     two-row steps, 1.4x slower): this test says so instead of letting it pass unnoticed."""
     from specmesh.runtime import ik_binding, ik_build
 
-    assert ik_build.library() is not None, \
+    assert ik_build.installed_library() is not None, \
         f"no row-invariant build in {ik_build.install_dir()}: run `python -m specmesh.runtime.ik_build` to see why"
     assert ik_binding.bind().row_invariant and smol.row_invariant
     assert smol.min_pass_rows == 1 and "row-invariant build" in smol.build and "repack on" in smol.build

@@ -134,6 +134,7 @@ class HybridDraftSource:
         self.model_drafted = self.model_accepted = 0
         self._model_draft: tuple[int, ...] | None = None  # the model's draft under verification
         self._suffix_draft: tuple[int, ...] | None = None  # the suffix drafter's short draft under verification
+        self._suffix_source = SUFFIX  # ... and whose acceptance it counts in: SUFFIX_ONE, a one-token match's
         # (drafted, accepted) of each source's recent rounds: the acceptance each is judged by
         self._verdicts: dict[str, deque[tuple[int, int]]] = {SUFFIX: deque(maxlen=ACCEPTANCE_WINDOW),
                                                              SUFFIX_ONE: deque(maxlen=ACCEPTANCE_WINDOW),
@@ -224,14 +225,18 @@ class HybridDraftSource:
             return None
         return statistics.median_low(self._stream_timings)
 
-    def suffix_draft_pays(self, suffix_tokens: int, model_k: int) -> bool:
+    def suffix_draft_pays(self, suffix_tokens: int, model_k: int, round_k: int | None = None) -> bool:
         """Whether verifying the suffix drafter's draft of `suffix_tokens` commits tokens at least as fast as the
         alternative would: a model round of model_k, or target-only decoding where model_k is 0, each at its source's
         measured acceptance. The suffix draft costs only its verify (it is already drafted); without the model's costs
         it always wins.
 
-        A one-token draft is judged by the suffix drafter's one-token drafts alone (from SUFFIX_ONE_PRIOR_ACCEPTANCE):
-        it comes from a one-token match, the weakest a suffix tree offers, and its verify costs a second row. On the
+        A one-token draft in a round of more (`round_k`: the suffix drafter could have drafted more, so its match was
+        one token long) is judged by such drafts alone (from SUFFIX_ONE_PRIOR_ACCEPTANCE): a one-token match is the
+        weakest a suffix tree offers, and its verify costs a second row. In a round of one token a draft says
+        nothing of its match's length: it is judged with the longer ones, and where the policy's k fell to 1, judged
+        apart, a quoted SQL statement's matches (each cut to one token, then declined at 24 ms a streamed token)
+        never drafted again: 2 drafts in a 160-token answer that drafted 123 before. On the
         real pair (row-invariant ik build, 2-core Zen 4) one-token suffix drafts were accepted 21% of the time (23 of
         109, over 16 prompts: 10 of the committed set, 6 unseen), the prior's value, while the longer drafts they were
         pooled with, and the 90% prior, kept the pooled estimate at 0.3-0.5: every one of them was verified, at 40 ms
@@ -240,7 +245,8 @@ class HybridDraftSource:
         costs = self.priced_model()
         if costs is None:
             return True
-        suffix = costs.at_acceptance(self.acceptance(SUFFIX_ONE if suffix_tokens == 1 else SUFFIX))
+        one = suffix_tokens == 1 and (round_k is None or round_k > 1)
+        suffix = costs.at_acceptance(self.acceptance(SUFFIX_ONE if one else SUFFIX))
         suffix_rate = suffix.expected_tokens(suffix_tokens) / max(
             suffix.verify_round_trip_s + suffix.verify_s(suffix_tokens), 1e-9)
         return suffix_rate >= costs.tokens_per_s(model_k)
@@ -324,11 +330,12 @@ class HybridDraftSource:
         full = len(draft.tokens) >= max(k, self.min_suffix_tokens)
         # Against the model, a suffix draft needs min_suffix_tokens; against target-only decoding, any length.
         long_enough = model_k == 0 or len(draft.tokens) >= self.min_suffix_tokens
-        if draft.tokens and (full or long_enough and self.suffix_draft_pays(len(draft.tokens), model_k)):
+        if draft.tokens and (full or long_enough and self.suffix_draft_pays(len(draft.tokens), model_k, k)):
             self.suffix_rounds += 1
             self._misses = 0
             if not after and not full:
                 self._suffix_draft = draft.tokens
+                self._suffix_source = SUFFIX_ONE if len(draft.tokens) == 1 and k > 1 else SUFFIX
             return replace(draft, source=SUFFIX)
         if first_round and self.model is not None:  # the model's turn comes next round: not the suffix drafter's miss
             return Draft()
@@ -379,8 +386,7 @@ class HybridDraftSource:
             self._stream_timings.append((self._clock() - self._stream_started) / len(committed))
             self._stream_started = None
         # How much of the round's draft the target kept: the acceptance its source is judged by.
-        suffix = SUFFIX_ONE if self._suffix_draft is not None and len(self._suffix_draft) == 1 else SUFFIX
-        for source, draft in ((MODEL, self._model_draft), (suffix, self._suffix_draft)):
+        for source, draft in ((MODEL, self._model_draft), (self._suffix_source, self._suffix_draft)):
             if draft:
                 accepted = 0
                 while accepted < min(len(draft), len(committed)) and draft[accepted] == committed[accepted]:

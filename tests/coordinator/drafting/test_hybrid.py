@@ -450,10 +450,13 @@ def test_a_one_token_suffix_draft_is_judged_by_the_one_token_drafts_alone():
     hybrid.update([3])
     assert hybrid.propose(8).tokens == (4, 5, 6), "a longer match: verified"
     hybrid.update([4, 5, 6, 9])
-    one_round = HybridDraftSource(Scripted([(7,), (8,)]), None, model_costs=ROW_INVARIANT_PAIR)
-    assert one_round.propose(1).tokens == (), "filling a round of one token takes no long match: priced as one token"
+    assert hybrid.propose(8).wait_tokens == 1 and hybrid.propose(8).wait_tokens == 2, \
+        "a match too weak to verify is a miss, as none is: the wait doubles"
+    # In a round of one token a one-token draft says nothing of its match: judged (not trusted) with the longer ones.
+    one_round = HybridDraftSource(Scripted([(7,)]), None, model_costs=ROW_INVARIANT_PAIR)
+    assert one_round.propose(1).tokens == (7,)
     one_round.update([3])
-    assert one_round.propose(1).wait_tokens == 2, "a match too weak to verify is a miss: the wait doubles"
+    assert one_round.acceptance(SUFFIX) < 0.9 and one_round.acceptance(SUFFIX_ONE) == pytest.approx(0.2)
     wheel = replace(ROW_INVARIANT_PAIR, verify_curve=((0, 0.038), (1, 0.0365), (4, 0.067), (8, 0.109)))
     cheap_row = HybridDraftSource(Scripted([(7,), (8,)]), None, model_costs=wheel)
     assert cheap_row.propose(8).tokens == (7,), "a second row for free: worth verifying at 20%"

@@ -5,8 +5,8 @@ Per round the suffix drafter is asked first: it drafts only where the recent tok
 request's prompt and output, earlier requests' outputs) and drafts longer the longer the match. The draft model's
 drafts cost c target steps per token, so it gets the k its own costs find best (`model_costs`: the workers' measured
 costs, with the acceptance of its recent rounds and the overhead they measured), and none when that best k is 0.
-The suffix draft is the round's draft when it has all k tokens asked for, and at least `min_suffix_tokens` (a long
-match: a repeated edit, a quoted document), or at least `min_suffix_tokens` and verifying it commits tokens at least as fast as a model round would,
+The suffix draft is the round's draft when it has all k tokens asked for (a long match: a repeated edit, a quoted
+document), or at least `min_suffix_tokens` and verifying it commits tokens at least as fast as a model round would,
 each source at the acceptance its own recent rounds measured (the suffix drafter's shorter drafts', and the model's:
 `suffix_draft_pays`); then the draft model stays out of the round's critical path. That second condition is what
 keeps a suffix drafter's coincidental short matches (2 to 5 tokens of code that occurred before, mostly rejected)
@@ -85,10 +85,6 @@ SUFFIX, MODEL = "suffix", "model"  # the sources, as RoundRecord.source and Sour
 MIN_SUFFIX_TOKENS = 2  # a one-token suffix draft is a weak match: the model's k tokens are likelier to pay
 PRIOR_WEIGHT = 4  # pseudo-drafts of the prior acceptance in a source's measured acceptance
 SUFFIX_PRIOR_ACCEPTANCE = PLAUSIBLE_ACCEPTANCE  # a suffix match is trusted until its rounds say otherwise
-# The suffix drafter's one-token drafts (a one-token match: it drafts at most as many tokens as it matched) are judged
-# on their own, from a prior of their own: see suffix_draft_pays.
-SUFFIX_ONE = "suffix-one"
-SUFFIX_ONE_PRIOR_ACCEPTANCE = 0.2
 ACCEPTANCE_WINDOW = 8  # a source's recent rounds whose verdicts give its acceptance: the text changes character
 MODEL_PROBE_TOKENS = 16  # the model off by its acceptance: tokens without it before a round asks it again (a probe)
 MODEL_PROBE_MAX_TOKENS = 128  # ... doubling after each probe rejected outright, up to this many
@@ -134,10 +130,8 @@ class HybridDraftSource:
         self.model_drafted = self.model_accepted = 0
         self._model_draft: tuple[int, ...] | None = None  # the model's draft under verification
         self._suffix_draft: tuple[int, ...] | None = None  # the suffix drafter's short draft under verification
-        self._suffix_source = SUFFIX  # ... and whose acceptance it counts in: SUFFIX_ONE, a one-token match's
         # (drafted, accepted) of each source's recent rounds: the acceptance each is judged by
         self._verdicts: dict[str, deque[tuple[int, int]]] = {SUFFIX: deque(maxlen=ACCEPTANCE_WINDOW),
-                                                             SUFFIX_ONE: deque(maxlen=ACCEPTANCE_WINDOW),
                                                              MODEL: deque(maxlen=ACCEPTANCE_WINDOW)}
         self._without_model = 0  # tokens committed since the model's last round
         self._failed_probes = 0  # model probes in a row rejected outright
@@ -175,8 +169,7 @@ class HybridDraftSource:
 
     def acceptance(self, source: str) -> float:
         """A source's per-token acceptance over its recent rounds, with PRIOR_WEIGHT pseudo-drafts of its prior (the
-        workers' for the model, SUFFIX_PRIOR_ACCEPTANCE for the suffix drafter's drafts of two tokens or more,
-        SUFFIX_ONE_PRIOR_ACCEPTANCE for its one-token drafts, `SUFFIX_ONE`).
+        workers' for the model, SUFFIX_PRIOR_ACCEPTANCE for the suffix drafter).
 
         The model's is the geometric model's maximum-likelihood estimate, as the cost policy's (measured_acceptance):
         each accepted draft a success, each round that stopped before its last draft one failure. The drafts after
@@ -195,8 +188,7 @@ class HybridDraftSource:
             successes = accepted + PRIOR_WEIGHT * prior
             failures = sum(a < d for d, a in verdicts) + PRIOR_WEIGHT * (1.0 - prior)
             return successes / max(successes + failures, 1e-9)
-        prior = SUFFIX_ONE_PRIOR_ACCEPTANCE if source == SUFFIX_ONE else SUFFIX_PRIOR_ACCEPTANCE
-        return (accepted + PRIOR_WEIGHT * prior) / (sum(d for d, _ in verdicts) + PRIOR_WEIGHT)
+        return (accepted + PRIOR_WEIGHT * SUFFIX_PRIOR_ACCEPTANCE) / (sum(d for d, _ in verdicts) + PRIOR_WEIGHT)
 
     def priced_model(self) -> CostEstimate | None:
         """The model's costs at its measured acceptance, each round priced with its measured overhead (what earlier
@@ -225,28 +217,15 @@ class HybridDraftSource:
             return None
         return statistics.median_low(self._stream_timings)
 
-    def suffix_draft_pays(self, suffix_tokens: int, model_k: int, round_k: int | None = None) -> bool:
+    def suffix_draft_pays(self, suffix_tokens: int, model_k: int) -> bool:
         """Whether verifying the suffix drafter's draft of `suffix_tokens` commits tokens at least as fast as the
         alternative would: a model round of model_k, or target-only decoding where model_k is 0, each at its source's
         measured acceptance. The suffix draft costs only its verify (it is already drafted); without the model's costs
-        it always wins.
-
-        A one-token draft in a round of more (`round_k`: the suffix drafter could have drafted more, so its match was
-        one token long) is judged by such drafts alone (from SUFFIX_ONE_PRIOR_ACCEPTANCE): a one-token match is the
-        weakest a suffix tree offers, and its verify costs a second row. In a round of one token a draft says
-        nothing of its match's length: it is judged with the longer ones, and where the policy's k fell to 1, judged
-        apart, a quoted SQL statement's matches (each cut to one token, then declined at 24 ms a streamed token)
-        never drafted again: 2 drafts in a 160-token answer that drafted 123 before. On the
-        real pair (row-invariant ik build, 2-core Zen 4) one-token suffix drafts were accepted 21% of the time (23 of
-        109, over 16 prompts: 10 of the committed set, 6 unseen), the prior's value, while the longer drafts they were
-        pooled with, and the 90% prior, kept the pooled estimate at 0.3-0.5: every one of them was verified, at 40 ms
-        against 25-31 ms a streamed token, 2-4% of a code answer's time. Where a second row costs little (the prebuilt wheel's two-row steps: v(1) of 0.96 v(0)),
-        they still pay at that acceptance."""
+        it always wins."""
         costs = self.priced_model()
         if costs is None:
             return True
-        one = suffix_tokens == 1 and (round_k is None or round_k > 1)
-        suffix = costs.at_acceptance(self.acceptance(SUFFIX_ONE if one else SUFFIX))
+        suffix = costs.at_acceptance(self.acceptance(SUFFIX))
         suffix_rate = suffix.expected_tokens(suffix_tokens) / max(
             suffix.verify_round_trip_s + suffix.verify_s(suffix_tokens), 1e-9)
         return suffix_rate >= costs.tokens_per_s(model_k)
@@ -324,27 +303,18 @@ class HybridDraftSource:
         if model_k and not self.opening_pays(model_k):  # the model's session would cost more to open than it saves
             self.openings_declined += 1
             model_k, probing = 0, False
-        # A match long enough to fill the round is trusted as it is; a round of one token is filled by any match, and
-        # a one-token match is the weakest there is: on the real pair (row-invariant build) the policy's k fell to 1
-        # on prose and every one-token match was verified unpriced (23 in a 160-token answer, 10 accepted).
-        full = len(draft.tokens) >= max(k, self.min_suffix_tokens)
+        full = len(draft.tokens) >= k  # a match long enough to fill the round: trusted as it is
         # Against the model, a suffix draft needs min_suffix_tokens; against target-only decoding, any length.
         long_enough = model_k == 0 or len(draft.tokens) >= self.min_suffix_tokens
-        if draft.tokens and (full or long_enough and self.suffix_draft_pays(len(draft.tokens), model_k, k)):
+        if draft.tokens and (full or long_enough and self.suffix_draft_pays(len(draft.tokens), model_k)):
             self.suffix_rounds += 1
             self._misses = 0
             if not after and not full:
                 self._suffix_draft = draft.tokens
-                self._suffix_source = SUFFIX_ONE if len(draft.tokens) == 1 and k > 1 else SUFFIX
             return replace(draft, source=SUFFIX)
         if first_round and self.model is not None:  # the model's turn comes next round: not the suffix drafter's miss
             return Draft()
         if model_k == 0:
-            # A match too weak to verify counts as a miss, as no match does: one-token matches are found almost
-            # everywhere (the prompt and earlier outputs share common tokens), and asking again after every token
-            # split the stream into one-token stretches, 32-33 ms a token against 29 ms in one stream (the real pair,
-            # row-invariant build): a code answer ran 0.95x target-only. A match that is real grows while the stream
-            # runs, and the next call drafts it whole.
             self._misses += 1
             self._stream_started = None if after else self._clock()
             return Draft(wait_tokens=min(1 << (self._misses - 1), MAX_WAIT_TOKENS))
@@ -386,7 +356,7 @@ class HybridDraftSource:
             self._stream_timings.append((self._clock() - self._stream_started) / len(committed))
             self._stream_started = None
         # How much of the round's draft the target kept: the acceptance its source is judged by.
-        for source, draft in ((MODEL, self._model_draft), (self._suffix_source, self._suffix_draft)):
+        for source, draft in ((MODEL, self._model_draft), (SUFFIX, self._suffix_draft)):
             if draft:
                 accepted = 0
                 while accepted < min(len(draft), len(committed)) and draft[accepted] == committed[accepted]:

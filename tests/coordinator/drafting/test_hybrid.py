@@ -13,7 +13,7 @@ import pytest
 
 from coordinator import Coordinator, GenerationOptions
 from coordinator.drafting.costs import CostEstimate
-from coordinator.drafting.hybrid import MODEL_PROBE_TOKENS, SUFFIX, SUFFIX_ONE, HybridDraftSource
+from coordinator.drafting.hybrid import MODEL_PROBE_TOKENS, HybridDraftSource
 from coordinator.loop import Draft, LoopConfig, speculative_decode
 from coordinator.drafting.policies import DraftLength
 from tests.chaos.conftest import running_fleet
@@ -433,35 +433,6 @@ def test_a_model_put_off_by_its_acceptance_is_probed_again_with_a_growing_wait()
 # 8.2 ms a drafted token and about 14 ms of a Propose call besides.
 ROW_INVARIANT_PAIR = CostEstimate(0.7, 0.0082, 0.0318, 0.0, draft_round_trip_s=0.014, verify_curve=(
     (0, 0.0318), (1, 0.0396), (4, 0.0677), (8, 0.1113), (16, 0.1904)), target_streams=True)
-
-
-def test_a_one_token_suffix_draft_is_judged_by_the_one_token_drafts_alone():
-    """A one-token suffix draft comes from a one-token match: on the real pair 21% of them were accepted, while the
-    suffix drafter's longer drafts (pooled with them, from a 90% prior) said 30-50%. Judged apart, from their own
-    prior, they are verified only where a second row costs little next to a streamed token (the wheel's two-row
-    steps), not on the row-invariant build's one-row steps (v(1) 1.25 v(0)), however well the longer drafts did."""
-    suffix = Scripted([(1, 2), (3,), (4, 5, 6), (7,)])
-    hybrid = HybridDraftSource(suffix, None, model_costs=ROW_INVARIANT_PAIR)
-    assert hybrid.propose(8).tokens == (1, 2)
-    hybrid.update([1, 2, 9])
-    assert hybrid.acceptance(SUFFIX) > 0.9 and hybrid.acceptance(SUFFIX_ONE) == pytest.approx(0.2)
-    held = hybrid.propose(8)
-    assert held.tokens == () and held.wait_tokens == 1, "one token from a one-token match: streamed instead"
-    hybrid.update([3])
-    assert hybrid.propose(8).tokens == (4, 5, 6), "a longer match: verified"
-    hybrid.update([4, 5, 6, 9])
-    assert hybrid.propose(8).wait_tokens == 1 and hybrid.propose(8).wait_tokens == 2, \
-        "a match too weak to verify is a miss, as none is: the wait doubles"
-    # In a round of one token a one-token draft says nothing of its match: judged (not trusted) with the longer ones.
-    one_round = HybridDraftSource(Scripted([(7,)]), None, model_costs=ROW_INVARIANT_PAIR)
-    assert one_round.propose(1).tokens == (7,)
-    one_round.update([3])
-    assert one_round.acceptance(SUFFIX) < 0.9 and one_round.acceptance(SUFFIX_ONE) == pytest.approx(0.2)
-    wheel = replace(ROW_INVARIANT_PAIR, verify_curve=((0, 0.038), (1, 0.0365), (4, 0.067), (8, 0.109)))
-    cheap_row = HybridDraftSource(Scripted([(7,), (8,)]), None, model_costs=wheel)
-    assert cheap_row.propose(8).tokens == (7,), "a second row for free: worth verifying at 20%"
-    cheap_row.update([3])
-    assert cheap_row.acceptance(SUFFIX_ONE) < 0.2 and cheap_row.acceptance(SUFFIX) == pytest.approx(0.9)
 
 
 def test_a_probe_accepted_too_little_for_the_model_to_pay_doubles_the_wait_as_a_rejected_one():

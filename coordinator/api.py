@@ -60,7 +60,7 @@ HYBRID_MODEL_WINDOW = 256
 # 2.8 ms a token (a 363-token window in 1.0 s, alike in passes of 31 to 512 tokens) against 8.5 ms a drafted token.
 OPENING_TOKEN_SHARE = 1 / 3
 MODEL_OPENING = "model-opening"  # SourceLearning's key for what openings measured (a factor over the prior's price)
-STREAMED = "streamed"  # SourceLearning's key for what a hybrid's streamed tokens took (a factor over the verifier's v(0))
+STREAMED = "streamed"  # SourceLearning's key for what a hybrid's streamed tokens took (a factor over v(0))
 
 log = logging.getLogger("specmesh.coordinator")
 

@@ -20,8 +20,8 @@ of every one. Two rules keep that from locking drafting out for good:
   model again costs its session's opening (prefilling its window: 0.4-1.2 s on the real pair) and a few rounds before
   they measure it. Halved with each request, a 43 ms overhead let the model in again a few generations later, on
   the real pair (row-invariant ik build, 2-core Zen 4, `coordinator bench`), where its rounds never paid against
-  25 ms streamed tokens: those generations opened its session and ran 0.80x (a quote) and 0.85x (prose) target-only. Held, the model is tried again once in
-  FORGET_AFTER_REQUESTS + 1 generations.
+  25 ms streamed tokens: those generations opened its session and ran 0.80x (a quote) and 0.85x (prose)
+  target-only. Held, the model is tried again once in FORGET_AFTER_REQUESTS + 1 generations.
 
 It is kept across processes too, where the caller names a file (`store`: the coordinator's, per pair of workers,
 coordinator/drafting/learning_store.py): each `coordinator generate` or `coordinator bench` is a process of its own,

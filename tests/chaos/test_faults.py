@@ -78,6 +78,9 @@ def test_sigkill_drafter_degrades_then_recovers(fleet, tiny, prompt, expected):
 def test_sigterm_drains_without_a_user_visible_error(fleet, tiny, prompt, expected):
     v1, v2 = fleet.start("verifier", extra=("--grace", "5")), fleet.start("verifier", extra=("--grace", "5"))
     with Coordinator([v1.address, v2.address], tokenizer=tiny.tokenizer, resilience=FAST) as c:
+        # Both done measuring their costs first: a probe call in flight (waiting its turn beside other tests' workers)
+        # holds a stop up to its 10 s limit, past this test's wait for a clean exit (seen once in CI).
+        assert c.wait_for_costs(60)
         drained = []
 
         def drain() -> None:

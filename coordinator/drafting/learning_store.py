@@ -17,7 +17,9 @@ LEARNING_CACHE_VARIABLE = "SPECMESH_LEARNING_CACHE"
 
 
 def learning_cache_on() -> bool:
-    return os.environ.get(LEARNING_CACHE_VARIABLE, "1") != "0" and os.environ.get("SPECMESH_COST_CACHE", "1") != "0"
+    from specmesh.runtime.gguf_cache import cost_cache_on
+
+    return os.environ.get(LEARNING_CACHE_VARIABLE, "1") != "0" and cost_cache_on()
 
 
 def learning_store(*infos) -> Path | None:

@@ -146,8 +146,9 @@ def within(module: str, *names: str) -> bool:
 
 
 # What the coordinator may take from specmesh.runtime: names and files it needs before its workers start, no engine.
-COORDINATOR_RUNTIME = ("specmesh.runtime", "specmesh.runtime.catalog", "specmesh.runtime.engine",
-                       "specmesh.runtime.gguf_cache", "specmesh.runtime.model_spec", "specmesh.runtime.tokenizer")
+COORDINATOR_RUNTIME = ("specmesh.runtime", "specmesh.runtime.atomic_files", "specmesh.runtime.catalog",
+                       "specmesh.runtime.engine", "specmesh.runtime.gguf_cache", "specmesh.runtime.model_spec",
+                       "specmesh.runtime.tokenizer")
 PRODUCT = ("coordinator", "specmesh", "drafter", "verifier")
 
 

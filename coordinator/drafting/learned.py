@@ -43,6 +43,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from specmesh.runtime.atomic_files import write_json_atomically
+
 log = logging.getLogger("specmesh.coordinator")
 
 TTL_S = 600.0  # the machine's load changes: a measurement older than this says little
@@ -114,6 +116,7 @@ class SourceLearning:
         self._lock = threading.Lock()
         self.store = store
         self.ttl_s = ttl_s if ttl_s is not None else STORED_TTL_S if store is not None else TTL_S
+        self._store_seen: tuple[int, int, int] | None = None  # the store file as last read or written here
 
     def start_generation(self) -> dict[str, float]:
         """A generation starts: the values it assumes, by source (forgotten ones left out); every entry then counts
@@ -143,9 +146,18 @@ class SourceLearning:
 
     def _merge_stored(self) -> None:
         """Take from the store each source measured more recently there (by another process) than here. A store
-        that is missing, unreadable or of another format adds nothing: the learning goes on from what it has."""
+        that is missing, unreadable or of another format adds nothing: the learning goes on from what it has. A store
+        unchanged since this learning last read or wrote it is not read again (`coordinator serve` starts every
+        request's generation under the lock)."""
         if self.store is None:
             return
+        try:
+            signature = _signature(self.store.stat())
+        except OSError:  # none yet
+            return
+        if signature == self._store_seen:
+            return
+        self._store_seen = signature
         try:
             stored = json.loads(self.store.read_text())["entries"]
             entries = {source: Learned(float(e["value"]), float(e["measured_at"]), int(e["requests_since"]),
@@ -166,12 +178,18 @@ class SourceLearning:
         one); a failure is logged, never raised: the generation goes on without it."""
         if self.store is None:
             return
+        now = self._clock()  # what is forgotten by now is left out: no later start would assume it
         entries = {source: {"value": e.value, "measured_at": e.measured_at, "requests_since": e.requests_since,
-                            "measure": e.measure.name} for source, e in self._learned.items()}
+                            "measure": e.measure.name} for source, e in self._learned.items()
+                   if e.faded(now, self.ttl_s) is not None}
         try:
-            self.store.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.store.with_suffix(f".tmp{os.getpid()}.{threading.get_ident()}")
-            tmp.write_text(json.dumps({"version": 1, "entries": entries}))
-            tmp.replace(self.store)
+            written = write_json_atomically(self.store, {"version": 1, "entries": entries})
+            self._store_seen = _signature(written)
         except OSError as e:
             log.warning("could not keep the learned costs in %s: %s", self.store, e)
+
+
+def _signature(status: os.stat_result) -> tuple[int, int, int]:
+    """A store file's inode, modification time and size: every write replaces the file (a new inode), so another
+    signature says another write."""
+    return status.st_ino, status.st_mtime_ns, status.st_size

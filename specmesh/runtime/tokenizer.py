@@ -12,6 +12,7 @@ import tempfile
 from pathlib import Path
 
 from specmesh.runtime import catalog
+from specmesh.runtime.atomic_files import write_json_atomically
 from specmesh.runtime.gguf_cache import converted_dir, gguf_source, is_converted
 from specmesh.runtime.tiny_presets import TINY_PRESETS, is_tiny_preset
 
@@ -107,10 +108,7 @@ class GgufTokenizer:
             tokenizer = self._load()
             facts = {"scheme": SCHEME, "fingerprint": tokenizer_fingerprint(tokenizer),
                      "eos_token_id": tokenizer.eos_token_id, "chat_template": tokenizer.chat_template}
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps(facts))
-            tmp.replace(path)  # atomic: a reader sees the whole file or none
+            write_json_atomically(path, facts)
         self.fingerprint: str = facts["fingerprint"]
         self.eos_token_id: int | None = facts["eos_token_id"]
         self.chat_template: str | None = facts["chat_template"]

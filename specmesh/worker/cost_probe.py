@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from specmesh.runtime import model_thread
+from specmesh.runtime.atomic_files import write_json_atomically
 from specmesh.runtime.gguf_cache import COST_CACHING_ENGINES, cost_cache_on
 from specmesh.worker.machine_load import OthersCpu, probe_turn
 
@@ -156,16 +157,11 @@ def write_cached_costs(key: dict | None, costs: Any, disturbed: bool = False) ->
     """Keep what was measured for `key` (JSON-able) for the next start; nothing without a key. A failure to write is
     logged, never raised: the worker serves the same without its cache. `disturbed`: measured while other processes
     computed (the next start reports them, and measures again)."""
-    import json
-
     if key is None:
         return
     path = _cache_path(key)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"key": key, "costs": costs, "measured_at": time.time(), "disturbed": disturbed}))
-        tmp.replace(path)  # atomic: a worker starting meanwhile reads the old file or the new one, never half of one
+    try:  # atomic: a worker starting meanwhile reads the old file or the new one, never half of one
+        write_json_atomically(path, {"key": key, "costs": costs, "measured_at": time.time(), "disturbed": disturbed})
     except OSError as e:
         log.warning("could not cache the measured costs in %s: %s", path, e)
 

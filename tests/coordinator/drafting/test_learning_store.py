@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from coordinator.drafting.learned import OVERHEAD_S, STORED_TTL_S, STREAM, TTL_S, SourceLearning
+from coordinator.drafting.learned import FORGET_AFTER_REQUESTS, OVERHEAD_S, STORED_TTL_S, STREAM, TTL_S, SourceLearning
 from coordinator.drafting.learning_store import LEARNING_CACHE_VARIABLE, learning_store
 
 
@@ -58,6 +58,37 @@ def test_stored_values_live_as_long_as_the_workers_cached_costs(tmp_path):
     assert SourceLearning(clock, store).start_generation() == {"model": pytest.approx(0.04)}
     clock.now += STORED_TTL_S
     assert SourceLearning(clock, store).start_generation() == {}
+
+
+def test_a_store_unchanged_since_its_last_read_or_write_here_is_not_read_again(tmp_path, monkeypatch):
+    store = tmp_path / "learned.json"
+    learning, other = SourceLearning(store=store), SourceLearning(store=store)
+    learning.record("model", 0.04, OVERHEAD_S)
+    reads = []
+    real_read_text = type(store).read_text
+    monkeypatch.setattr(type(store), "read_text", lambda path, *a, **kw: reads.append(path) or real_read_text(path))
+    learning.start_generation()
+    learning.start_generation()
+    assert reads == [], "its own writes: nothing new to read"
+    other.record("model", 0.01, OVERHEAD_S)  # another process's write: read at the next start
+    assert learning.start_generation() == {"model": pytest.approx(0.01)}
+    assert len(reads) == 1
+
+
+def test_what_is_forgotten_is_left_out_of_the_store(tmp_path):
+    clock = Clock()
+    store = tmp_path / "learned.json"
+    learning = SourceLearning(clock, store)
+    learning.record("model", 0.04, OVERHEAD_S)
+    for _ in range(FORGET_AFTER_REQUESTS):
+        learning.start_generation()
+    assert "model" not in json.loads(store.read_text())["entries"], "counted out: no later start assumes it"
+    learning.record("streamed", 0.8, STREAM)
+    clock.now += STORED_TTL_S - 1
+    learning.record("model", 0.03, OVERHEAD_S)
+    clock.now += 2  # "streamed" is past its age: left out when the store is next written
+    learning.record("model", 0.02, OVERHEAD_S)
+    assert set(json.loads(store.read_text())["entries"]) == {"model"}
 
 
 @pytest.mark.parametrize("content", ["not json", '{"entries": {"model": {"value": 99, "measured_at": 1, '

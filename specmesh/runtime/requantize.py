@@ -18,6 +18,7 @@ import subprocess
 from pathlib import Path
 
 from specmesh.runtime import catalog
+from specmesh.runtime.atomic_files import write_json_atomically
 
 logger = logging.getLogger(__name__)
 
@@ -75,10 +76,7 @@ def cached_weight_bits(path: Path) -> float | None:
     except (OSError, ValueError, KeyError):
         pass
     bits = weight_bits(path)
-    record.parent.mkdir(parents=True, exist_ok=True)
-    partial = record.with_suffix(f".partial{os.getpid()}")
-    partial.write_text(json.dumps({"bits": bits}))
-    partial.replace(record)  # atomic: a reader sees the whole record or none
+    write_json_atomically(record, {"bits": bits})  # a reader sees the whole record or none
     return bits
 
 

@@ -9,7 +9,8 @@ against target-only generations of the same run.
 
 The workers are started as `coordinator bench` starts them (one at a time, each measuring its costs before the next
 loads, no prefix cache); each version has a suffix drafter of its own (a shared one would hand the second version
-the first one's answer). Prints a table of tokens/s over target-only's per class and whether any output differed
+the first one's answer) and learns on its own (coordinator/drafting/learned.py): from nothing, or each from a copy of
+the same stored learning (--learned, a file of ~/.cache/specmesh/learned/: what a user's next process starts from). Prints a table of tokens/s over target-only's per class and whether any output differed
 from target-only's; --json writes every generation with its rounds (source, drafted, accepted, draft and verify ms).
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -27,6 +29,7 @@ from pathlib import Path
 
 import coordinator.api
 from coordinator import Coordinator, GenerationOptions
+from coordinator.drafting.learned import SourceLearning
 from coordinator.drafting.hybrid import HybridDraftSource
 from coordinator.fleet.local_workers import LocalWorkerSpec, local_workers
 from specmesh.runtime.catalog import DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL
@@ -79,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target-model", default=DEFAULT_TARGET_MODEL)
     p.add_argument("--draft-model", default=DEFAULT_DRAFT_MODEL)
     p.add_argument("--json", help="write every generation, with its rounds, here")
+    p.add_argument("--learned", help="each version starts from a copy of this stored learning (default: nothing)")
     args = p.parse_args(argv)
     prompts = json.loads(Path(args.prompts).read_text())["prompts"]
     print("CPU flags:", " ".join(cpu_features().get("cpu_flags") or []), file=sys.stderr)
@@ -100,6 +104,11 @@ def main(argv: list[str] | None = None) -> int:
                 verifier=workers["verifier"], drafter=workers["drafter"], tokenizer=base.tokenizer,
                 suffix_drafter=stack.enter_context(local_workers([suffix]))["drafter"]))
         modes = list(coordinators)
+        for name in versions:  # each version learns on its own (one shared file would mix their measurements)
+            store = Path(scratch) / f"{name}-learned.json"
+            if args.learned:
+                shutil.copyfile(args.learned, store)
+            coordinators[name].learning = SourceLearning(store=store)
 
         def generate(mode: str, prompt_ids: list[int], max_new_tokens: int):
             # The loop builds its drafter through coordinator.api's name for the class: this mode's version.

@@ -26,9 +26,13 @@ decoding (1.0x), on text whose later model rounds were accepted 80% of the time.
 
 What the model's rounds measure belongs to the model alone (coordinator/drafting/learned.py): its acceptance, and how
 much longer its rounds took than its costs price them, as seconds a round (`model_overhead_s`: the Propose call, the
-cores changing hands between verifier and drafter). Only a round right after another model round is timed: after a
-suffix round or a stream the model first catches up on what they committed, a cost of switching sources. The overhead
-is a fixed cost per round, not per token: on the real pair (2 shared cores) model rounds of
+cores changing hands between verifier and drafter, catching up). Every model round but the generation's first (its
+session's opening, measured apart) is timed, the rounds after a suffix round or a stream too: those first catch the
+model up on what they committed (a pass over 2-30 tokens), and where the sources alternate that is what a model round
+costs. Timed only in runs of model rounds (what this replaced), the model was priced at 10-13 ms a round beyond its
+costs on the row-invariant ik build (2-core Zen 4), where its rounds after a switch took 20-110 ms more; it kept
+drafting where its rounds lost to streaming, and single prompts ran 0.71-0.83x target-only in `coordinator bench`.
+The overhead is a fixed cost per round, not per token: on the real pair (2 shared cores) model rounds of
 1, 2 and 3 drafts took 21, 35 and 45 ms against 12 ms a draft token measured alone, so about 9 ms a round. Priced as
 a factor on every draft token (1.75x at k = 1, and more once one slow round counts), drafts looked dearer the longer
 they were, and the model drafted 1 token where 3 paid. A round is timed whole, from the Propose call to the verdict:
@@ -142,7 +146,6 @@ class HybridDraftSource:
         # from its Propose call to its verdict (update)
         self._model_timings: list[tuple[float, float]] = []
         self._timing: tuple[float, float] | None = None  # the model round under verification: (started, priced)
-        self._model_last = False  # the last round was the model's
         self._stream_started: float | None = None  # the stretch without drafts under way: when it was asked for
         self._stream_timings: deque[float] = deque(maxlen=STREAM_WINDOW)  # seconds a token, per stretch
         self._misses = 0  # suffix calls in a row that found nothing to draft (the wait before the next one doubles)
@@ -290,9 +293,6 @@ class HybridDraftSource:
         self._timing = self._stream_started = self._opening = None
         draft = self.suffix.propose(k, after)
         self._unsynced = 0
-        after_model = self._model_last  # the last round was the model's (this one may be timed)
-        if not after:
-            self._model_last = False
         first_round, self._first_round = self._first_round and not after, False
         model_k = self.model_k(k) if self.model is not None and not self._off_until_probe and not first_round else 0
         probing = model_k == 0 and self.model is not None and not first_round and self._model_probe_due(k)
@@ -332,13 +332,12 @@ class HybridDraftSource:
             self._opening = (started, opening, len(draft.tokens))
         if not after:  # a pipelined bet is not this round's draft
             self._model_draft = draft.tokens
-            self._model_last = True
-            # Timed only right after another model round: the model's session then lacks only what that round
-            # committed, as in any run of model rounds. After a suffix round or a stream it first catches up on what
-            # they committed (a pass over 2-30 tokens: 20-100 ms on the real pair), a cost of switching sources, not
-            # of the model's rounds. The lower median keeps a few such rounds out, but on code, where the two sources
-            # alternate (30-60 suffix rounds a generation on the real pair), they were most of the model's rounds.
-            if after_model and self.model_costs is not None:
+            # Every round is timed but the generation's first (its session's opening, measured as such): a round
+            # after a suffix round or a stream first catches the model up on what they committed (a pass over
+            # 2-30 tokens), and that is what a model round costs where the sources alternate. The lower median
+            # prices the rounds the model mostly has: runs of model rounds where it follows the text, catch-ups where
+            # it only fills the gaps between suffix rounds and streams.
+            if self.model_rounds > 1 and self.model_costs is not None:
                 self._timing = (started, self._round_priced_s(model_k, len(draft.tokens)))
         return replace(draft, source=MODEL)
 

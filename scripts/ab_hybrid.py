@@ -10,8 +10,9 @@ against target-only generations of the same run.
 The workers are started as `coordinator bench` starts them (one at a time, each measuring its costs before the next
 loads, no prefix cache); each version has a suffix drafter of its own (a shared one would hand the second version
 the first one's answer) and learns on its own (coordinator/drafting/learned.py): from nothing, or each from a copy of
-the same stored learning (--learned, a file of ~/.cache/specmesh/learned/: what a user's next process starts from). Prints a table of tokens/s over target-only's per class and whether any output differed
-from target-only's; --json writes every generation with its rounds (source, drafted, accepted, draft and verify ms).
+the same stored learning (--learned, a file of ~/.cache/specmesh/learned/: what a user's next process starts from).
+Prints a table of tokens/s over target-only's per class and whether any output differed from target-only's; --json
+writes every generation with its rounds (source, drafted, accepted, draft and verify ms).
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ from pathlib import Path
 
 import coordinator.api
 from coordinator import Coordinator, GenerationOptions
-from coordinator.drafting.learned import SourceLearning
 from coordinator.drafting.hybrid import HybridDraftSource
+from coordinator.drafting.learned import SourceLearning
 from coordinator.fleet.local_workers import LocalWorkerSpec, local_workers
 from specmesh.runtime.catalog import DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL
 from specmesh_bench.machine import cpu_features

@@ -22,6 +22,12 @@ of every one. Two rules keep that from locking drafting out for good:
   the real pair (row-invariant ik build, 2-core Zen 4, `coordinator bench`), where its rounds never paid against
   25 ms streamed tokens: those generations opened its session and ran 0.80x (a quote) and 0.85x (prose)
   target-only. Held, the model is tried again once in FORGET_AFTER_REQUESTS + 1 generations.
+- What is measured again after it was forgotten for want of measurements is held twice as long the next time
+  (`Learned.lapses`: 6, 12, 24, then 48 generations), and as long as at first once it is measured while still
+  assumed. A draft model that keeps not paying is tried again ever more rarely: each try costs its generation the
+  session's opening and the rounds that measure it, and on the real pair (row-invariant ik build, 2-core Zen 4,
+  `coordinator bench`) the generations that tried it again ran 0.69-0.83x target-only, one in every seven on a
+  machine where the model never pays. A source forgotten by its TTL starts afresh: the machine may have changed.
 
 It is kept across processes too, where the caller names a file (`store`: the coordinator's, per pair of workers,
 coordinator/drafting/learning_store.py): each `coordinator generate` or `coordinator bench` is a process of its own,
@@ -50,6 +56,9 @@ log = logging.getLogger("specmesh.coordinator")
 TTL_S = 600.0  # the machine's load changes: a measurement older than this says little
 STORED_TTL_S = 6 * 3600.0  # kept in a file: as long as the workers' cached costs it corrects (COST_CACHE_TTL_S)
 FORGET_AFTER_REQUESTS = 6  # generations after which an unconfirmed measurement is forgotten
+# A source forgotten for want of measurements and then measured again is held twice as long the next time, up to
+# FORGET_AFTER_REQUESTS << MAX_LAPSES generations (48): each time it was tried again, it cost the same.
+MAX_LAPSES = 3
 FADE_PER_REQUEST = 0.5  # the share of the excess over neutral kept by each generation that did not measure it
 MIN_SLOWDOWN, MAX_SLOWDOWN = 0.5, 4.0
 MAX_OVERHEAD_S = 10.0  # seconds a round: a bound on a measurement, far past any that lets a draft model pay
@@ -87,6 +96,7 @@ class Learned:
     measured_at: float  # the learning's clock: wall-clock seconds by default (a stored entry outlives its process)
     requests_since: int = 0  # generations started since, that did not measure this source again
     measure: Measure = SLOWDOWN
+    lapses: int = 0  # times in a row the source was forgotten for want of measurements, then measured again
 
     def __post_init__(self) -> None:
         if not self.measure.low <= self.value <= self.measure.high:
@@ -94,10 +104,20 @@ class Learned:
                              f"got {self.value}")
         if self.requests_since < 0:
             raise ValueError(f"requests_since must be >= 0, got {self.requests_since}")
+        if not 0 <= self.lapses <= MAX_LAPSES:
+            raise ValueError(f"lapses must be in [0, {MAX_LAPSES}], got {self.lapses}")
+
+    def forget_after(self) -> int:
+        """Generations without a measurement after which this is forgotten."""
+        return FORGET_AFTER_REQUESTS << self.lapses
+
+    def expired(self, now: float, ttl_s: float = TTL_S) -> bool:
+        """Past its age: dropped, and what it lapsed is forgotten too (the machine may have changed since)."""
+        return now - self.measured_at >= ttl_s
 
     def faded(self, now: float, ttl_s: float = TTL_S) -> float | None:
         """The value a generation starting now assumes; None once forgotten."""
-        if self.requests_since >= FORGET_AFTER_REQUESTS or now - self.measured_at >= ttl_s:
+        if self.requests_since >= self.forget_after() or self.expired(now, ttl_s):
             return None
         neutral = self.measure.neutral
         return neutral + (self.value - neutral) * self.measure.fade_per_request ** self.requests_since
@@ -119,25 +139,33 @@ class SourceLearning:
         self._store_seen: tuple[int, int, int] | None = None  # the store file as last read or written here
 
     def start_generation(self) -> dict[str, float]:
-        """A generation starts: the values it assumes, by source (forgotten ones left out); every entry then counts
-        this generation as one more that has not measured it (record() resets that)."""
+        """A generation starts: the values it assumes, by source (forgotten ones left out); every entry assumed then
+        counts this generation as one more that has not measured it (record() resets that). An entry forgotten for
+        want of measurements is kept until its TTL, unassumed, for what record() makes of it."""
         now = self._clock()
         with self._lock:
             self._merge_stored()
             assumed = {source: s for source, entry in self._learned.items()
                        if (s := entry.faded(now, self.ttl_s)) is not None}
-            had = bool(self._learned)
-            self._learned = {source: replace(entry, requests_since=entry.requests_since + 1)
-                             for source, entry in self._learned.items() if source in assumed}
-            if had:
+            kept = {source: replace(entry, requests_since=entry.requests_since + 1) if source in assumed else entry
+                    for source, entry in self._learned.items() if not entry.expired(now, self.ttl_s)}
+            changed = bool(assumed) or len(kept) < len(self._learned)
+            self._learned = kept
+            if changed:
                 self._save()
         return assumed
 
     def record(self, source: str, value: float, measure: Measure = SLOWDOWN) -> None:
-        """What a generation measured for `source`: a `measure` (clamped to its bounds)."""
+        """What a generation measured for `source`: a `measure` (clamped to its bounds). Measured again after it
+        was forgotten for want of measurements (the generations since assumed nothing of it: a draft model held out
+        by its overhead is tried again), it is held twice as long as before (`Learned.lapses`); measured while it is
+        still assumed, as long as at first."""
+        now = self._clock()
         with self._lock:
-            self._learned[source] = Learned(min(max(value, measure.low), measure.high), self._clock(),
-                                            measure=measure)
+            old = self._learned.get(source)
+            lapsed = old is not None and old.faded(now, self.ttl_s) is None and not old.expired(now, self.ttl_s)
+            self._learned[source] = Learned(min(max(value, measure.low), measure.high), now, measure=measure,
+                                            lapses=min(old.lapses + 1, MAX_LAPSES) if lapsed else 0)
             self._save()
 
     def get(self, source: str) -> Learned | None:
@@ -161,7 +189,8 @@ class SourceLearning:
         try:
             stored = json.loads(self.store.read_text())["entries"]
             entries = {source: Learned(float(e["value"]), float(e["measured_at"]), int(e["requests_since"]),
-                                       MEASURES[e["measure"]]) for source, e in stored.items()}
+                                       MEASURES[e["measure"]], int(e.get("lapses", 0)))
+                       for source, e in stored.items()}
         except FileNotFoundError:
             return
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
@@ -178,10 +207,10 @@ class SourceLearning:
         one); a failure is logged, never raised: the generation goes on without it."""
         if self.store is None:
             return
-        now = self._clock()  # what is forgotten by now is left out: no later start would assume it
+        now = self._clock()  # what is past its age is left out: nothing later would read it
         entries = {source: {"value": e.value, "measured_at": e.measured_at, "requests_since": e.requests_since,
-                            "measure": e.measure.name} for source, e in self._learned.items()
-                   if e.faded(now, self.ttl_s) is not None}
+                            "measure": e.measure.name, "lapses": e.lapses} for source, e in self._learned.items()
+                   if not e.expired(now, self.ttl_s)}
         try:
             written = write_json_atomically(self.store, {"version": 1, "entries": entries})
             self._store_seen = _signature(written)

@@ -75,14 +75,19 @@ def test_a_store_unchanged_since_its_last_read_or_write_here_is_not_read_again(t
     assert len(reads) == 1
 
 
-def test_what_is_forgotten_is_left_out_of_the_store(tmp_path):
+def test_what_is_past_its_age_is_left_out_of_the_store_and_a_lapse_is_kept_for_the_next_process(tmp_path):
     clock = Clock()
     store = tmp_path / "learned.json"
     learning = SourceLearning(clock, store)
     learning.record("model", 0.04, OVERHEAD_S)
-    for _ in range(FORGET_AFTER_REQUESTS):
+    for _ in range(FORGET_AFTER_REQUESTS + 1):
         learning.start_generation()
-    assert "model" not in json.loads(store.read_text())["entries"], "counted out: no later start assumes it"
+    kept = json.loads(store.read_text())["entries"]["model"]
+    assert kept["requests_since"] == FORGET_AFTER_REQUESTS and kept["lapses"] == 0, "forgotten, not yet dropped"
+    other = SourceLearning(clock, store)  # another process: its generation assumes nothing, tries the model again
+    assert other.start_generation() == {}
+    other.record("model", 0.03, OVERHEAD_S)
+    assert json.loads(store.read_text())["entries"]["model"]["lapses"] == 1
     learning.record("streamed", 0.8, STREAM)
     clock.now += STORED_TTL_S - 1
     learning.record("model", 0.03, OVERHEAD_S)

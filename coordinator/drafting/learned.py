@@ -25,9 +25,9 @@ of every one. Two rules keep that from locking drafting out for good:
 - What is measured again after it was forgotten for want of measurements is held twice as long the next time
   (`Learned.lapses`: 6, 12, 24, then 48 generations), and as long as at first once it is measured while still
   assumed. A draft model that keeps not paying is tried again ever more rarely: each try costs its generation the
-  session's opening and the rounds that measure it, and on the real pair (row-invariant ik build, 2-core Zen 4,
-  `coordinator bench`) the generations that tried it again ran 0.69-0.83x target-only, one in every seven on a
-  machine where the model never pays. A source forgotten by its TTL starts afresh: the machine may have changed.
+  session's opening and the rounds that measure it (on the real pair, row-invariant ik build, 2-core Zen 4, a YAML
+  answer that tried it again in `coordinator bench` ran 0.69x target-only, its opening alone 0.2-0.8 s), one in
+  every seven generations on a machine where the model never pays. A source forgotten by its TTL starts afresh: the machine may have changed.
 
 It is kept across processes too, where the caller names a file (`store`: the coordinator's, per pair of workers,
 coordinator/drafting/learning_store.py): each `coordinator generate` or `coordinator bench` is a process of its own,

@@ -59,8 +59,8 @@ def held_for(learning: SourceLearning, source: str) -> int:
 
 def test_a_source_measured_again_after_it_was_forgotten_is_held_twice_as_long_each_time():
     """Issue 39, the real pair on the row-invariant build (2-core Zen 4): a draft model held out by its overhead was
-    tried again once its overhead was forgotten, every seventh generation, and the generations that tried it ran
-    0.69-0.83x target-only. Each time it is measured again after a lapse, it is held twice as long (up to
+    tried again once its overhead was forgotten, every seventh generation, and a YAML answer that tried it ran 0.69x
+    target-only. Each time it is measured again after a lapse, it is held twice as long (up to
     FORGET_AFTER_REQUESTS << MAX_LAPSES); measured while still held (a model that drafts), as long as at first."""
     learning = SourceLearning()
     learning.record("model", 0.05, OVERHEAD_S)

@@ -27,7 +27,8 @@ of every one. Two rules keep that from locking drafting out for good:
   assumed. A draft model that keeps not paying is tried again ever more rarely: each try costs its generation the
   session's opening and the rounds that measure it (on the real pair, row-invariant ik build, 2-core Zen 4, a YAML
   answer that tried it again in `coordinator bench` ran 0.69x target-only, its opening alone 0.2-0.8 s), one in
-  every seven generations on a machine where the model never pays. A source forgotten by its TTL starts afresh: the machine may have changed.
+  every seven generations on a machine where the model never pays. A source forgotten by its TTL starts afresh: the
+  machine may have changed.
 
 It is kept across processes too, where the caller names a file (`store`: the coordinator's, per pair of workers,
 coordinator/drafting/learning_store.py): each `coordinator generate` or `coordinator bench` is a process of its own,
